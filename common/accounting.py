@@ -1,0 +1,177 @@
+"""Count the bytes one rank really holds for parameters, gradients, optimizer states and ZeRO buffers.
+
+The memory formulas of guide 1 (2.2) say what each stage *should* hold; this module reads what the
+DeepSpeed engine *does* hold, so a test can compare the two. Every tensor storage is counted once
+(views of a flat buffer share its storage), and each storage goes to one category:
+
+- ``params``: the module's parameters as this rank stores them (the 16/32-bit working copy; under
+  stage 3 only this rank's partition ``ds_tensor`` plus the parameters kept whole by the persistence
+  threshold);
+- ``optimizer``: what the inner optimizer owns: fp32 master partitions and Adam's ``exp_avg`` and
+  ``exp_avg_sq``;
+- ``grads``: gradient tensors that are alive (after ``step()`` ZeRO frees most of them);
+- ``buffers``: every other tensor the ZeRO optimizer keeps (flat 16-bit groups, reduce buckets, ...).
+
+:func:`predicted_model_state_bytes` gives the guide's formula for the same quantities, per precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# Bytes per element of the working copy of parameters and gradients.
+WORKING_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Adam in DeepSpeed: fp32 master copy + exp_avg + exp_avg_sq = 12 bytes per parameter.
+ADAM_STATE_BYTES = 12
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if storage.nbytes() == 0:
+        return None
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _walk_tensors(obj: Any, depth: int, seen: set[int]) -> Iterator[torch.Tensor]:
+    """Yield tensors reachable from ``obj`` through attributes, lists, tuples and dicts (bounded depth)."""
+    if id(obj) in seen or depth < 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+        ds_tensor = getattr(obj, "ds_tensor", None)
+        if isinstance(ds_tensor, torch.Tensor):
+            yield ds_tensor
+        return
+    if isinstance(obj, torch.nn.Module):
+        return  # the module is walked separately, as parameters
+    if isinstance(obj, dict):
+        children: Any = list(obj.values())
+    elif isinstance(obj, list | tuple | set):
+        children = list(obj)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("deepspeed", "torch.optim")):
+        children = list(vars(obj).values())
+    else:
+        return
+    for child in children:
+        yield from _walk_tensors(child, depth - 1, seen)
+
+
+# Where ZeRO optimizers keep their fp32 master partitions. Stage 3 swaps them out of the inner
+# optimizer's param_groups between steps, so reading param_groups alone would miss them.
+MASTER_ATTRIBUTES = (
+    "single_partition_of_fp32_groups",  # stages 1 and 2
+    "fp32_partitioned_groups_flat",  # stage 3
+    "fp32_groups_flat_partition",  # bf16 optimizer (stage 0)
+    "fp32_groups_flat",  # fp16 unfused optimizer (stage 0)
+)
+
+
+def _inner_optimizer(ds_optimizer: Any) -> torch.optim.Optimizer | None:
+    if isinstance(ds_optimizer, torch.optim.Optimizer) and not hasattr(ds_optimizer, "optimizer"):
+        return ds_optimizer  # fp32 stage 0: DeepSpeed steps the client optimizer directly
+    inner = getattr(ds_optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else None
+
+
+def model_state_bytes(engine: Any) -> dict[str, int]:
+    """Bytes this rank holds, by category, for a ``deepspeed.DeepSpeedEngine``.
+
+    Args:
+        engine: the engine returned by ``deepspeed.initialize`` (Lightning: ``trainer.strategy.model``;
+            Accelerate: the prepared model).
+
+    Returns:
+        ``{"params", "grads", "optimizer", "buffers", "model_states", "total"}`` in bytes, where
+        ``model_states = params + grads + optimizer`` (the guide's quantity) and ``total`` adds buffers.
+    """
+    counted: dict[tuple[int, int], str] = {}
+
+    def add(tensor: torch.Tensor | None, category: str) -> None:
+        if tensor is None or not isinstance(tensor, torch.Tensor):
+            return
+        key = _storage_key(tensor)
+        if key is not None and key not in counted:
+            counted[key] = category
+
+    module = engine.module
+    for param in module.parameters():
+        ds_tensor = getattr(param, "ds_tensor", None)
+        if ds_tensor is not None:
+            add(ds_tensor, "params")
+            if param.data.numel() > 0 and getattr(param, "ds_persist", False):
+                add(param.data, "params")
+        else:
+            add(param.data, "params")
+    ds_optimizer = engine.optimizer
+    inner = _inner_optimizer(ds_optimizer)
+    for name in MASTER_ATTRIBUTES:
+        for master in getattr(ds_optimizer, name, None) or []:
+            if isinstance(master, torch.Tensor):
+                add(master, "optimizer")
+                add(master.grad, "grads")
+    if inner is not None:
+        for group in inner.param_groups:
+            for master in group["params"]:
+                add(master, "optimizer")
+                add(master.grad, "grads")
+        for state in inner.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    add(value, "optimizer")
+    for param in module.parameters():
+        add(param.grad, "grads")
+    if ds_optimizer is not None:
+        for tensor in _walk_tensors(ds_optimizer, depth=4, seen=set()):
+            add(tensor, "buffers")
+
+    totals = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
+    for (_, nbytes), category in counted.items():
+        totals[category] += nbytes
+    totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer"]
+    totals["total"] = totals["model_states"] + totals["buffers"]
+    return totals
+
+
+def predicted_model_state_bytes(
+    num_params: int,
+    stage: int,
+    world_size: int,
+    precision: str = "bf16",
+    grads_alive: bool = False,
+    persistent_params: int = 0,
+) -> dict[str, float]:
+    """The guide's per-rank model-state bytes (guide 1, 2.2), generalised to the precision.
+
+    With P the working bytes per element (2 for bf16/fp16, 4 for fp32), K parameters and N ranks:
+    stage 0 holds P*K params + P*K grads + 12K optimizer; stage 1 shards the optimizer (12K/N);
+    stage 2 also the gradients (P*K/N); stage 3 also the parameters (P*K/N). For bf16 this is the
+    guide's 16K / 4K + 12K/N / 2K + 14K/N / 16K/N.
+
+    Args:
+        num_params: K.
+        stage: ZeRO stage 0-3.
+        world_size: N.
+        precision: ``bf16``, ``fp16`` or ``fp32``.
+        grads_alive: count gradients (True during backward; after ``step()`` ZeRO has released them).
+        persistent_params: stage-3 parameters kept whole on every rank (under the persistence threshold).
+    """
+    p = WORKING_BYTES[precision]
+    k, n = float(num_params), float(world_size)
+    sharded = k - persistent_params
+    params = p * k if stage < 3 else p * (sharded / n + persistent_params)
+    grads = 0.0
+    if grads_alive:
+        grads = p * k if stage < 2 else p * k / n
+    # In fp32 at stage 0 the parameters are their own master copy: Adam adds only m and v (8 B).
+    state_bytes = 8 if (precision == "fp32" and stage == 0) else ADAM_STATE_BYTES
+    optimizer = state_bytes * k if stage == 0 else state_bytes * k / n
+    return {"params": params, "grads": grads, "optimizer": optimizer, "model_states": params + grads + optimizer}

@@ -1,0 +1,189 @@
+"""Activation-checkpointing presets, applied by block class to transformers models and plain modules.
+
+Checkpointing drops a block's intermediate activations in the forward pass and recomputes them in the
+backward pass: compute traded for memory (guide 1, 5.1: the fix when stage 3 still runs out of memory).
+
+Presets:
+
+- ``none``: nothing recomputed.
+- ``full``: every block. Activation memory falls to one block input per block plus one block's inner
+  activations; costs one extra forward (about +33 % compute for a transformer).
+- ``every_k``: every k-th block (``k`` default 2): about half the saving for half the recompute.
+- ``selective``: only the attention sub-module of each block, the part whose activations grow with
+  the square of the sequence (Korthikanti et al. 2022, "selective activation recomputation"); cheap to
+  recompute, most of the saving at long sequence lengths.
+- ``save_memory_optimized``: guide 2's pairing with ZeRO-3 instead of ``full``. Defined here as: every
+  block except the last one. Under stage 3 the last block's parameters are still gathered when the
+  backward pass begins, so recomputing it re-gathers and re-runs a block whose activations would be
+  consumed immediately: pure waste. Dropping it saves one block's recompute and one all-gather per
+  step while keeping (n-1)/n of ``full``'s saving.
+
+Reentrant vs non-reentrant: with ZeRO-3 and frozen parameters (the LoRA case), PyTorch's
+non-reentrant checkpoint compares the metadata of recomputed tensors with the saved ones and raises
+``CheckpointError``, because ZeRO-3 has released the gathered parameters in between (upstream
+transformers#34928, trl#2514). The reentrant form does not look at them, so it is the default here; it
+needs one input that requires grad, which :func:`apply_activation_checkpointing` ensures for
+transformers models with ``enable_input_require_grads`` when the embeddings are frozen.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from common.errors import ConfigError, nearest
+
+AC_PRESETS: dict[str, str] = {
+    "none": "No recomputation: fastest, most activation memory.",
+    "full": "Recompute every block: activations ~1 block input per block, about +33 % compute.",
+    "every_k": "Recompute every k-th block: about half of full's saving for half its cost.",
+    "selective": "Recompute only attention in each block (Korthikanti et al.): most saving per FLOP at long sequences.",
+    "save_memory_optimized": "Every block but the last (guide 2's pairing with ZeRO-3): skips a wasted re-gather.",
+}
+
+ATTENTION_CHILD_NAMES = ("self_attn", "attention", "attn", "self_attention")
+
+
+@dataclass
+class CheckpointingReport:
+    """What :func:`apply_activation_checkpointing` wrapped."""
+
+    preset: str
+    wrapped: list[str] = field(default_factory=list)
+    num_blocks: int = 0
+
+    def summary(self) -> str:
+        """One line for the run log."""
+        wrapped, blocks = len(self.wrapped), self.num_blocks
+        return f"activation checkpointing {self.preset!r}: {wrapped} modules wrapped in {blocks} blocks"
+
+
+def check_preset(name: str) -> str:
+    """Return ``name`` if it is a preset, else raise ConfigError naming the nearest one."""
+    if name not in AC_PRESETS:
+        raise ConfigError(
+            f"unknown activation_checkpointing {name!r}{nearest(name, AC_PRESETS)}; valid: {', '.join(AC_PRESETS)}"
+        )
+    return name
+
+
+def find_blocks(
+    model: torch.nn.Module, block_classes: Sequence[type | str] | None = None
+) -> list[tuple[str, torch.nn.Module]]:
+    """The model's repeated blocks, in forward order.
+
+    Args:
+        model: any module.
+        block_classes: classes or class names of the blocks. Default: the Hugging Face model's
+            ``_no_split_modules`` when it has them, else the element type of the longest ``ModuleList``.
+    """
+    if block_classes is None:
+        names = getattr(model, "_no_split_modules", None) or []
+        block_classes = list(names)
+        if not block_classes:
+            lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+            if not lists:
+                raise ConfigError(f"{type(model).__name__} has no repeated blocks; pass block_classes")
+            block_classes = [type(max(lists, key=len)[0])]
+    wanted = {c if isinstance(c, str) else c.__name__ for c in block_classes}
+    blocks = [(name, m) for name, m in model.named_modules() if type(m).__name__ in wanted]
+    if not blocks:
+        raise ConfigError(f"no module of class {sorted(wanted)} in {type(model).__name__}")
+    return blocks
+
+
+def _wrap_forward(module: torch.nn.Module, use_reentrant: bool) -> None:
+    if getattr(module, "_zr_checkpointed", False):
+        return
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not (module.training and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
+        # Reentrant checkpoint takes positional tensors only: bind keyword arguments first (as
+        # transformers' GradientCheckpointingLayer does).
+        return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=use_reentrant)
+
+    module.forward = forward  # type: ignore[method-assign]
+    module._zr_checkpointed = True  # type: ignore[attr-defined]
+
+
+def _attention_child(block: torch.nn.Module) -> torch.nn.Module | None:
+    for name in ATTENTION_CHILD_NAMES:
+        child = getattr(block, name, None)
+        if isinstance(child, torch.nn.Module):
+            return child
+    for _, child in block.named_modules():
+        if child is not block and "attention" in type(child).__name__.lower():
+            return child
+    return None
+
+
+def select_modules(
+    blocks: list[tuple[str, torch.nn.Module]], preset: str, every_k: int = 2
+) -> list[tuple[str, torch.nn.Module]]:
+    """Which modules a preset recomputes, given the model's blocks (pure: wraps nothing)."""
+    check_preset(preset)
+    if preset == "none":
+        return []
+    if preset == "full":
+        return list(blocks)
+    if preset == "every_k":
+        if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
+            raise ConfigError(f"every_k must be a positive integer, got {every_k!r}")
+        return [b for i, b in enumerate(blocks) if i % every_k == every_k - 1 or every_k == 1]
+    if preset == "save_memory_optimized":
+        return list(blocks[:-1])
+    selected = []
+    for name, block in blocks:  # selective
+        child = _attention_child(block)
+        if child is None:
+            raise ConfigError(
+                f"selective checkpointing needs an attention sub-module in {type(block).__name__}; "
+                "use every_k or full for this model"
+            )
+        selected.append((f"{name}.attention", child))
+    return selected
+
+
+def apply_activation_checkpointing(
+    model: torch.nn.Module,
+    preset: str,
+    block_classes: Sequence[type | str] | None = None,
+    every_k: int = 2,
+    use_reentrant: bool = True,
+) -> CheckpointingReport:
+    """Apply an activation-checkpointing preset in place.
+
+    Args:
+        model: a transformers model or a plain module.
+        preset: a key of :data:`AC_PRESETS`.
+        block_classes: the block classes (see :func:`find_blocks`).
+        every_k: the k of ``every_k``.
+        use_reentrant: reentrant checkpoint (default; works with ZeRO-3 and frozen weights, see module doc).
+
+    Returns:
+        A report of the wrapped modules.
+    """
+    check_preset(preset)
+    report = CheckpointingReport(preset=preset)
+    if preset == "none":
+        return report
+    blocks = find_blocks(model, block_classes)
+    report.num_blocks = len(blocks)
+    for name, module in select_modules(blocks, preset, every_k):
+        _wrap_forward(module, use_reentrant)
+        report.wrapped.append(name)
+    if use_reentrant and hasattr(model, "enable_input_require_grads"):
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if embeddings is not None and not any(p.requires_grad for p in embeddings.parameters()):
+            # Frozen embeddings (LoRA): make the first block input require grad, or reentrant
+            # checkpointing would cut the graph and the adapters inside would get no gradient.
+            model.enable_input_require_grads()
+    return report

@@ -1,0 +1,143 @@
+"""The ``zero-recipes`` command.
+
+    zero-recipes ls                                   presets and recipes, one line each
+    zero-recipes config nlp --world-size 8 --micro-batch-size 4 --hidden-size 4096
+    zero-recipes config cv --format accelerate --out my_run/     writes accelerate.yaml + ds_config.json
+
+Bad input (unknown preset or key, a stage outside 0-3, fp16 with ``science``, NVMe without a path,
+a value that is not a number) prints one ``error:`` line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from common.config import parse_overrides
+from common.errors import USAGE_EXIT_CODE, ConfigError, exit_on_user_error
+from common.presets import PRESETS
+from common.strategy import PRECISIONS, RunFacts, resolve_deepspeed_config, write_accelerate_files
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RECIPES_DIR = REPO_ROOT / "recipes"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (exit 2), not a usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {message} (see: {self.prog} --help)", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def list_recipes() -> list[tuple[str, str, list[str]]]:
+    """(name, first docstring line, config names) for each recipe folder under ``recipes/``."""
+    found = []
+    if not RECIPES_DIR.is_dir():
+        return found
+    for folder in sorted(p for p in RECIPES_DIR.iterdir() if (p / "train.py").is_file()):
+        configs = sorted(p.stem for p in (folder / "configs").glob("*.yaml")) if (folder / "configs").is_dir() else []
+        doc = (folder / "train.py").read_text().split('"""')
+        summary = doc[1].strip().splitlines()[0] if len(doc) > 2 else ""
+        found.append((folder.name, summary, configs))
+    return found
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """Print presets and recipes with their one-line why."""
+    width = max(len(name) for name in PRESETS)
+    print("presets (zero-recipes config PRESET):")
+    for name, spec in PRESETS.items():
+        print(f"  {name:<{width}}  stage {spec['stage']}  {spec['why']}")
+    recipes = list_recipes()
+    if recipes:
+        print("recipes (python recipes/NAME/train.py):")
+        for name, summary, configs in recipes:
+            print(f"  {name:<{width}}  {summary}  [configs: {', '.join(configs)}]")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print the resolved DeepSpeed JSON, or write the accelerate YAML + JSON pair."""
+    facts = RunFacts(
+        world_size=args.world_size,
+        micro_batch_size=args.micro_batch_size,
+        grad_accum=args.grad_accum,
+        precision=args.precision,
+        hidden_size=args.hidden_size,
+        gradient_clipping=args.gradient_clipping,
+        nvme_path=args.nvme_path,
+    )
+    ds_config = resolve_deepspeed_config(args.preset, facts, parse_overrides(args.set))
+    if args.format == "deepspeed" and not args.out:
+        print(json.dumps(ds_config, indent=2))
+        return 0
+    if not args.out:
+        raise ConfigError("--format accelerate writes two files: pass --out DIR")
+    out = Path(args.out)
+    if args.format == "deepspeed":
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+        print(out / "ds_config.json")
+        return 0
+    yaml_path = write_accelerate_files(ds_config, out, num_processes=args.world_size)
+    print(yaml_path)
+    print(yaml_path.parent / "ds_config.json")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``zero-recipes`` argument parser with all subcommands."""
+    parser = _Parser(prog="zero-recipes", description="DeepSpeed ZeRO recipes on Lightning and Accelerate.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    ls = sub.add_parser("ls", help="list presets and recipes")
+    ls.set_defaults(func=cmd_ls)
+
+    config = sub.add_parser("config", help="print a preset's resolved DeepSpeed config")
+    config.add_argument("preset", help="preset name (zero-recipes ls)")
+    config.add_argument("--world-size", type=_positive_int, default=1, help="data-parallel ranks in total")
+    config.add_argument("--micro-batch-size", type=_positive_int, default=1, help="samples per rank per step")
+    config.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
+    config.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the preset's (bf16)")
+    config.add_argument("--hidden-size", type=_positive_int, default=None, help="model hidden size (scales buckets)")
+    config.add_argument("--gradient-clipping", type=float, default=1.0, help="max grad norm, 0 = off")
+    config.add_argument("--nvme-path", default=None, help="NVMe folder for the *_offload_nvme presets")
+    config.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="DeepSpeed key, e.g. zero_optimization.stage=2"
+    )
+    config.add_argument("--format", choices=("deepspeed", "accelerate"), default="deepspeed")
+    config.add_argument("--out", default=None, help="write files to this folder instead of printing")
+    config.set_defaults(func=cmd_config)
+
+    for register in EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+# Other modules (planning tools, export, cp) add their subcommands here: (subparsers) -> None.
+EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+@exit_on_user_error()
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``zero-recipes`` console script."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Lightning's DeepSpeed strategy, made to run real ZeRO on a CPU as well as on GPUs.
+
+Lightning's ``DeepSpeedStrategy`` refuses a CPU in three places (tested with lightning 2.6):
+
+1. ``setup_environment`` raises unless the accelerator is CUDA;
+2. ``setup_distributed`` validates device indices against local ranks (CPU devices have no index);
+3. ``_setup_model_and_optimizer`` passes ``root_device.index`` (None on CPU) to DeepSpeed as ``device_rank``.
+
+DeepSpeed itself runs on a CPU: it picks its CPU accelerator, uses gloo for collectives and compiles
+its CPU Adam on first use. This subclass skips the two checks and passes the local rank, on a CPU
+only; on a GPU every method is Lightning's own. ``tests/distributed`` trains stages 0-3 through it, so a
+Lightning upgrade that moves these places fails a test rather than silently falling back to DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies.ddp import DDPStrategy
+
+# The Lightning versions this subclass is tested against; pyproject pins the same range.
+TESTED_LIGHTNING = (">=2.5", "<2.7")
+
+
+class ZeroDeepSpeedStrategy(DeepSpeedStrategy):
+    """``DeepSpeedStrategy`` that also accepts ``Trainer(accelerator="cpu", devices=N)``."""
+
+    strategy_name = "zero_deepspeed"
+
+    @property
+    def _on_cpu(self) -> bool:
+        return isinstance(self.accelerator, CPUAccelerator)
+
+    def setup_environment(self) -> None:
+        if not self._on_cpu:
+            return super().setup_environment()
+        # Skip only the CUDA check: DDPStrategy's setup (which calls setup_distributed) still runs.
+        DDPStrategy.setup_environment(self)
+        return None
+
+    def setup_distributed(self) -> None:
+        if not self._on_cpu:
+            return super().setup_distributed()
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+        return None
+
+    def _device_rank(self) -> int | None:
+        index = self.root_device.index
+        return self.local_rank if index is None else index
+
+    def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:
+        if not self._on_cpu:
+            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        import deepspeed
+
+        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank()),
+            config=self.config,
+            model=model,
+            model_parameters=model_parameters,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer

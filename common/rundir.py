@@ -1,0 +1,172 @@
+"""The run directory: refuse to clobber, write files atomically, record environment, metrics and summary.
+
+Layout (DESIGN.md, "A run directory")::
+
+    out_dir/config.yaml  ds_config.json  env.json  metrics.jsonl  tb/  checkpoints/  final/  summary.json
+
+Launchers start every rank as its own process before any process group exists, so "am I rank 0?"
+is read from the launcher's environment: ``RANK`` (torchrun, accelerate, deepspeed) or, for the
+processes Lightning spawns itself, ``NODE_RANK`` and ``LOCAL_RANK``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from common.errors import ConfigError
+
+PACKAGES = ("torch", "deepspeed", "lightning", "accelerate", "transformers", "peft", "tokenizers", "flash-attn")
+
+
+def launcher_rank() -> int:
+    """The global rank the launcher gave this process (0 when not launched as a group)."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    node, local = int(os.environ.get("NODE_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    return node * 1000 + local  # only "is it zero" matters here
+
+
+def is_launcher_rank_zero() -> bool:
+    """True in the one process that should create and write the run directory."""
+    return launcher_rank() == 0
+
+
+def prepare_run_dir(out_dir: str | Path, overwrite: bool = False, resume: bool = False) -> Path:
+    """Create ``out_dir`` for a new run, or accept it for a resume; never clobber by accident.
+
+    Args:
+        out_dir: the run directory.
+        overwrite: delete an existing directory first (the user asked for it).
+        resume: continue the run already in ``out_dir``; it must exist and hold checkpoints.
+
+    Raises:
+        ConfigError: the directory exists with content and neither flag is set, or resume finds no run.
+    """
+    path = Path(out_dir)
+    if resume and overwrite:
+        raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
+    if resume:
+        if not (path / "checkpoints").is_dir():
+            raise ConfigError(f"resume=true but {path} holds no checkpoints/ to resume from")
+        return path
+    if path.exists() and any(path.iterdir()):
+        if not overwrite:
+            raise ConfigError(
+                f"out_dir {path} already exists and is not empty; pass overwrite=true to replace it, "
+                "resume=true to continue it, or choose another out_dir"
+            )
+        if is_launcher_rank_zero():
+            shutil.rmtree(path)
+    if is_launcher_rank_zero():
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_json_atomic(path: str | Path, data: Any) -> Path:
+    """Write JSON to ``path`` through a temporary file and ``os.replace``: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write text through a temporary file and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the packages a run depends on (None when absent)."""
+    versions: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def env_info(device: str, world_size: int) -> dict[str, Any]:
+    """What ``env.json`` records: versions, device, world size, host, time."""
+    import torch
+
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "device": device,
+        "world_size": world_size,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "packages": package_versions(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+class MetricsLog:
+    """``metrics.jsonl`` plus TensorBoard scalars, written by rank 0 only.
+
+    Each record is one JSON object per line (``{"step": 10, "train_loss": 2.3, ...}``) so that a crash
+    loses at most the line being written, and ``tensorboard --logdir out_dir/tb`` shows the same numbers.
+    """
+
+    def __init__(self, out_dir: str | Path, enabled: bool = True, tensorboard: bool = True) -> None:
+        self.enabled = enabled
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.writer = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(log_dir=str(Path(out_dir) / "tb"))
+            except ImportError:  # tensorboard missing: metrics.jsonl alone still tells the story
+                self.writer = None
+
+    def log(self, step: int, **values: float) -> None:
+        """Append one record and mirror numeric values to TensorBoard."""
+        if not self.enabled:
+            return
+        record = {"step": step, **values}
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in values.items():
+                if isinstance(value, int | float):
+                    self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of ``metrics.jsonl`` (a truncated last line is skipped)."""
+    path = Path(out_dir) / "metrics.jsonl"
+    records = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records

@@ -1,0 +1,482 @@
+"""The strategy factory: (preset, run facts, overrides) -> one resolved DeepSpeed dict -> both backends.
+
+One preset must give the same numbers to Lightning and to Accelerate. Two things stop a single
+DeepSpeed JSON from doing that upstream: ``"auto"`` values are only filled by the Hugging Face
+Trainer, and Lightning refuses ``gradient_accumulation_steps`` inside the DeepSpeed dict. So the
+factory resolves every value from the run (world size, micro batch, accumulation, precision, hidden
+size) into a dict with no ``"auto"`` left, and the thin adapters below hand that same dict to each
+backend, moving only what a backend insists on owning (Lightning's accumulation and clipping become
+``Trainer`` arguments with the same values).
+
+Example::
+
+    facts = RunFacts(world_size=8, micro_batch_size=4, grad_accum=2, precision="bf16", hidden_size=4096)
+    ds_config = resolve_deepspeed_config("nlp", facts)
+    trainer = Trainer(accelerator="auto", devices=8, **lightning_trainer_kwargs(ds_config))
+    plugin = accelerate_plugin(ds_config)        # Accelerator(deepspeed_plugin=plugin, ...)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from common.errors import ConfigError, nearest
+from common.presets import FROM_MODEL, PRESET_NAMES, get_preset
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+# The guide's starting bucket (guide 1, 4.2: "500m is a steady start"; guide 2, 6: 5e8 .. 2e9).
+GUIDE_BUCKET_ELEMENTS = 500_000_000
+
+# Top-level DeepSpeed keys an override may touch (DeepSpeed's own config sections).
+DEEPSPEED_TOP_LEVEL_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "bf16",
+    "fp16",
+    "zero_optimization",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "communication_data_type",
+    "data_types",
+    "activation_checkpointing",
+    "checkpoint",
+    "aio",
+    "flops_profiler",
+    "memory_breakdown",
+    "dump_state",
+)
+
+# Keys the factory derives from run facts; overriding them would break "same numbers on both backends".
+RUN_FACT_KEYS = {
+    "train_batch_size": "world_size x micro_batch_size x grad_accum",
+    "train_micro_batch_size_per_gpu": "micro_batch_size",
+    "gradient_accumulation_steps": "grad_accum",
+}
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the factory needs to know about the run to leave no value on ``"auto"``.
+
+    Attributes:
+        world_size: data-parallel ranks in total (nodes x processes per node).
+        micro_batch_size: samples per rank per forward pass.
+        grad_accum: micro-batches accumulated per optimizer step.
+        precision: ``bf16``, ``fp16`` or ``fp32``; None takes the preset's (bf16 unless it says otherwise).
+        hidden_size: the model's hidden size, to scale bucket sizes and the stage-3 persistence threshold.
+        gradient_clipping: max gradient norm (0 disables clipping).
+        nvme_path: local NVMe folder for the ``*_offload_nvme`` presets.
+    """
+
+    world_size: int = 1
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    precision: str | None = None
+    hidden_size: int | None = None
+    gradient_clipping: float = 1.0
+    nvme_path: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "micro_batch_size", "grad_accum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+                f"{nearest(str(self.precision), PRECISIONS)}"
+            )
+        if self.hidden_size is not None and (
+            isinstance(self.hidden_size, bool) or not isinstance(self.hidden_size, int) or self.hidden_size < 1
+        ):
+            raise ConfigError(f"hidden_size must be a positive integer, got {self.hidden_size!r}")
+        if not isinstance(self.gradient_clipping, int | float) or self.gradient_clipping < 0:
+            raise ConfigError(f"gradient_clipping must be a number >= 0, got {self.gradient_clipping!r}")
+
+
+def bucket_elements(hidden_size: int | None) -> int:
+    """Communication bucket size in elements, scaled to the model.
+
+    DeepSpeed's default (and the guide's starting point) is 5e8 elements. Under stage 3 the reduce
+    bucket is preallocated: 5e8 bf16 elements cost 1 GB per rank whatever the model's size (measured
+    here, DESIGN.md), so small models get smaller buckets. 32 x hidden^2 reaches the guide's 5e8 at
+    hidden ~4000 (7B class) and gives ~2e6 for a 256-wide model.
+    """
+    if hidden_size is None:
+        return GUIDE_BUCKET_ELEMENTS
+    return int(min(GUIDE_BUCKET_ELEMENTS, 32 * hidden_size * hidden_size))
+
+
+def persistence_threshold(hidden_size: int | None) -> int:
+    """Stage-3 parameters smaller than this stay whole on every rank (no all-gather for them).
+
+    10 x hidden follows the Hugging Face Trainer's ``"auto"`` rule: biases and norms stay resident,
+    matrices are sharded.
+    """
+    return 10 * hidden_size if hidden_size else 100_000
+
+
+def _precision_sections(precision: str) -> dict[str, Any]:
+    fp16: dict[str, Any] = {"enabled": precision == "fp16"}
+    if precision == "fp16":
+        # Dynamic loss scaling; loss_scale_window is the guide's first fix for NaN/Inf (guide 2, 3.2).
+        fp16.update(loss_scale=0, loss_scale_window=1000, initial_scale_power=16, hysteresis=2, min_loss_scale=1)
+    return {"bf16": {"enabled": precision == "bf16"}, "fp16": fp16}
+
+
+def _zero_config_class() -> Any:
+    """DeepSpeed's pydantic ZeRO config class, imported with its start-up log sent to stderr.
+
+    DeepSpeed logs "Setting accelerator to CPU" to stdout when first imported; ``zero-recipes config``
+    prints JSON on stdout, which must stay parseable.
+    """
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    return DeepSpeedZeroConfig
+
+
+def _set_dotted(config: dict[str, Any], dotted_key: str, value: Any) -> None:
+    """Set ``config["a"]["b"] = value`` for ``"a.b"``; unknown keys name the nearest valid one."""
+    DeepSpeedZeroConfig = _zero_config_class()  # noqa: N806
+
+    parts = dotted_key.split(".")
+    top = parts[0]
+    if top == "stage":  # the one shortcut users reach for
+        parts, top = ["zero_optimization", "stage"], "zero_optimization"
+    if top not in DEEPSPEED_TOP_LEVEL_KEYS:
+        raise ConfigError(f"unknown DeepSpeed key {dotted_key!r}{nearest(top, DEEPSPEED_TOP_LEVEL_KEYS)}")
+    if top in RUN_FACT_KEYS:
+        raise ConfigError(f"{top} is derived from the run ({RUN_FACT_KEYS[top]}); set those instead")
+    if top == "zero_optimization" and len(parts) > 1:
+        valid = set()
+        for name, field in DeepSpeedZeroConfig.model_fields.items():
+            valid.add(field.alias or name)
+        if parts[1] not in valid:
+            raise ConfigError(f"unknown zero_optimization key {parts[1]!r}{nearest(parts[1], sorted(valid))}")
+    node = config
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {} if child is None else {"enabled": child}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _fill_from_model(zero: dict[str, Any], hidden_size: int | None) -> None:
+    bucket = bucket_elements(hidden_size)
+    derived = {
+        "stage3_param_persistence_threshold": persistence_threshold(hidden_size),
+        # The HF Trainer prefetches 0.9 x its bucket: slightly under one bucket keeps one gather in flight.
+        "stage3_prefetch_bucket_size": int(0.9 * bucket),
+    }
+    for key, value in derived.items():
+        if zero.get(key) == FROM_MODEL:
+            zero[key] = value
+    if zero.get("stage", 0) in (1, 2):
+        zero.setdefault("reduce_bucket_size", bucket)
+        zero.setdefault("allgather_bucket_size", bucket)
+    elif zero.get("stage", 0) == 3:
+        zero.setdefault("reduce_bucket_size", bucket)
+
+
+def _check_offload_paths(zero: dict[str, Any], nvme_path: str | None) -> None:
+    for section in ("offload_optimizer", "offload_param"):
+        offload = zero.get(section)
+        if not isinstance(offload, dict):
+            continue
+        if offload.get("device") == "nvme":
+            offload["nvme_path"] = offload.get("nvme_path") or nvme_path
+            if not offload["nvme_path"]:
+                raise ConfigError(
+                    f"zero_optimization.{section}: NVMe offload needs a path; pass nvme_path=/local/nvme "
+                    f"(or --set zero_optimization.{section}.nvme_path=/local/nvme)"
+                )
+
+
+def _validate(config: dict[str, Any], preset_name: str, forbid_fp16: bool) -> None:
+    DeepSpeedZeroConfig = _zero_config_class()  # noqa: N806
+
+    zero = config["zero_optimization"]
+    stage = zero.get("stage")
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+        raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    if forbid_fp16 and config["fp16"].get("enabled"):
+        raise ConfigError(
+            f"preset {preset_name!r} refuses fp16: scientific models need bf16 or fp32 "
+            "(fp16's 5-bit exponent overflows and its 10-bit mantissa loses the small terms; guide 2, 7.3)"
+        )
+    if config["fp16"].get("enabled") and config["bf16"].get("enabled"):
+        raise ConfigError("fp16 and bf16 cannot both be enabled; pick one precision")
+    if "offload_param" in zero and zero["offload_param"] and stage != 3:
+        raise ConfigError(f"offload_param needs ZeRO stage 3 (stage is {stage}); use offload_optimizer for 1/2")
+    if stage == 0 and zero.get("offload_optimizer"):
+        raise ConfigError("offload_optimizer needs ZeRO stage 1, 2 or 3 (stage is 0)")
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except Exception as exc:  # pydantic's ValidationError: report DeepSpeed's own reason in one line
+        first = str(exc).splitlines()
+        detail = " ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(exc)
+        raise ConfigError(f"invalid zero_optimization: {detail}") from None
+    for key, value in config.items():
+        if value == "auto" or (isinstance(value, dict) and "auto" in json.dumps(value)):
+            raise ConfigError(f"{key} is 'auto'; the factory resolves every value, pass a number")
+
+
+def resolve_deepspeed_config(
+    preset: str | dict[str, Any],
+    facts: RunFacts | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Resolve a preset into a complete DeepSpeed config dict with no ``"auto"`` left.
+
+    Args:
+        preset: a preset name (see :data:`common.presets.PRESETS`) or a preset-shaped dict.
+        facts: the run's world size, batch, accumulation, precision and hidden size.
+        overrides: dotted DeepSpeed keys to set last, e.g. ``{"zero_optimization.reduce_bucket_size": 2e8}``.
+
+    Returns:
+        A dict to pass to ``deepspeed.initialize``, Lightning or Accelerate (through the adapters below).
+
+    Raises:
+        ConfigError: unknown preset or key, bad stage, fp16 where the preset forbids it, NVMe without a path.
+    """
+    facts = facts or RunFacts()
+    spec = get_preset(preset) if isinstance(preset, str) else copy.deepcopy(preset)
+    name = preset if isinstance(preset, str) else spec.get("name", "custom")
+    precision = facts.precision or spec.get("precision", "bf16")
+    if spec.get("forbid_fp16") and precision == "fp16":
+        _validate({"zero_optimization": {"stage": spec["stage"]}, **_precision_sections("fp16")}, name, True)
+
+    zero = {"stage": spec["stage"], **copy.deepcopy(spec.get("zero_optimization", {}))}
+    config: dict[str, Any] = {
+        "train_batch_size": facts.world_size * facts.micro_batch_size * facts.grad_accum,
+        "train_micro_batch_size_per_gpu": facts.micro_batch_size,
+        "gradient_accumulation_steps": facts.grad_accum,
+        "gradient_clipping": float(facts.gradient_clipping),
+        **_precision_sections(precision),
+        "zero_optimization": zero,
+        # Client optimizers (torch AdamW, DeepSpeedCPUAdam) are what the recipes pass in.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1_000_000,  # the recipes log themselves; keep DeepSpeed quiet
+        "wall_clock_breakdown": False,
+    }
+    for key, value in (overrides or {}).items():
+        _set_dotted(config, key, value)
+    zero = config["zero_optimization"]
+    _fill_from_model(zero, facts.hidden_size)
+    _check_offload_paths(zero, facts.nvme_path)
+    _validate(config, name, bool(spec.get("forbid_fp16")))
+    return config
+
+
+def zero_stage(ds_config: dict[str, Any]) -> int:
+    """The ZeRO stage of a resolved config."""
+    return int(ds_config["zero_optimization"]["stage"])
+
+
+def precision_of(ds_config: dict[str, Any]) -> str:
+    """``bf16``, ``fp16`` or ``fp32`` as the resolved config says."""
+    if ds_config.get("bf16", {}).get("enabled"):
+        return "bf16"
+    if ds_config.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def offloads_optimizer(ds_config: dict[str, Any]) -> bool:
+    """Whether the optimizer states live off the accelerator (CPU or NVMe)."""
+    offload = ds_config["zero_optimization"].get("offload_optimizer") or {}
+    return offload.get("device", "none") in ("cpu", "nvme")
+
+
+# --- optimizer ----------------------------------------------------------------------------------------
+
+
+def make_optimizer(
+    params: Any,
+    ds_config: dict[str, Any],
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+) -> Any:
+    """AdamW for the config: DeepSpeedCPUAdam when optimizer states are offloaded, else ``torch.optim.AdamW``.
+
+    ZeRO partitions Adam-family optimizers (guide 1, 5.1: an optimizer without partition support breaks
+    the run), and with offload DeepSpeed insists on its CPU Adam, which it compiles on first use.
+    """
+    import torch
+
+    if offloads_optimizer(ds_config):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=True)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> float:
+    """Learning-rate multiplier: linear warmup, then cosine decay to ``min_ratio`` (a LambdaLR function)."""
+    if step < warmup_steps:
+        return (step + 1) / max(1, warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# --- Lightning adapter --------------------------------------------------------------------------------
+
+LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
+
+
+def lightning_strategy_config(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed dict Lightning accepts: the same dict less the keys Lightning insists on setting.
+
+    Lightning raises if ``gradient_accumulation_steps`` is in the dict (it takes it from
+    ``Trainer(accumulate_grad_batches=...)``) and DeepSpeed derives ``train_batch_size`` itself.
+    """
+    config = copy.deepcopy(ds_config)
+    config.pop("gradient_accumulation_steps", None)
+    config.pop("train_batch_size", None)
+    return config
+
+
+def lightning_trainer_kwargs(ds_config: dict[str, Any], timeout: timedelta | None = None) -> dict[str, Any]:
+    """``Trainer`` keyword arguments for a resolved config: strategy, precision, accumulation, clipping.
+
+    The strategy is :class:`common.lightning_cpu.ZeroDeepSpeedStrategy`, which is Lightning's own
+    ``DeepSpeedStrategy`` on a GPU and also runs real ZeRO on a CPU.
+    """
+    from common.lightning_cpu import ZeroDeepSpeedStrategy
+
+    kwargs: dict[str, Any] = {"config": lightning_strategy_config(ds_config)}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    clip = ds_config.get("gradient_clipping", 0.0)
+    return {
+        "strategy": ZeroDeepSpeedStrategy(**kwargs),
+        "precision": LIGHTNING_PRECISION[precision_of(ds_config)],
+        "accumulate_grad_batches": ds_config["gradient_accumulation_steps"],
+        "gradient_clip_val": clip or None,
+    }
+
+
+# --- Accelerate adapter -------------------------------------------------------------------------------
+
+ACCELERATE_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+
+
+def accelerate_plugin(ds_config: dict[str, Any], zero3_init: bool | None = None) -> Any:
+    """An Accelerate ``DeepSpeedPlugin`` holding (a copy of) the resolved dict.
+
+    Args:
+        ds_config: the factory's resolved config.
+        zero3_init: construct models inside ``deepspeed.zero.Init`` (default: on for stage 3), so that
+            ``from_pretrained`` partitions weights as it loads and no rank holds the whole model.
+    """
+    from accelerate.utils import DeepSpeedPlugin
+
+    stage3 = zero_stage(ds_config) == 3
+    return DeepSpeedPlugin(
+        hf_ds_config=copy.deepcopy(ds_config), zero3_init_flag=stage3 if zero3_init is None else zero3_init
+    )
+
+
+def accelerator_kwargs(ds_config: dict[str, Any], timeout: timedelta | None = None) -> dict[str, Any]:
+    """``Accelerator`` keyword arguments: plugin, mixed precision, accumulation, and a gloo-safe process group.
+
+    With ``--use_deepspeed`` on a CPU a plain ``Accelerator()`` may count one process while DeepSpeed runs
+    two; naming the backend explicitly fixes it (DESIGN.md, "Found on the way").
+    """
+    import torch
+    from accelerate.utils import InitProcessGroupKwargs
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    pg_kwargs = {"backend": backend}
+    if timeout is not None:
+        pg_kwargs["timeout"] = timeout
+    return {
+        "deepspeed_plugin": accelerate_plugin(ds_config),
+        "mixed_precision": ACCELERATE_PRECISION[precision_of(ds_config)],
+        "gradient_accumulation_steps": ds_config["gradient_accumulation_steps"],
+        "kwargs_handlers": [InitProcessGroupKwargs(**pg_kwargs)],
+    }
+
+
+def accelerate_config(
+    ds_config_file: str,
+    num_processes: int,
+    num_machines: int = 1,
+    zero3_init: bool = False,
+    use_cpu: bool = False,
+    main_process_port: int = 29500,
+) -> dict[str, Any]:
+    """The accelerate config YAML (as a dict) that launches with the DeepSpeed JSON at ``ds_config_file``."""
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": {
+            "deepspeed_config_file": ds_config_file,
+            "zero3_init_flag": zero3_init,
+            "deepspeed_multinode_launcher": "standard",
+        },
+        "machine_rank": 0,
+        "main_process_port": main_process_port,
+        "main_training_function": "main",
+        "num_machines": num_machines,
+        "num_processes": num_processes,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": use_cpu,
+    }
+
+
+def write_accelerate_files(
+    ds_config: dict[str, Any],
+    out_dir: str | Path,
+    num_processes: int,
+    num_machines: int = 1,
+    use_cpu: bool = False,
+    json_name: str = "ds_config.json",
+) -> Path:
+    """Write ``ds_config.json`` and ``accelerate.yaml`` (pointing at it) into ``out_dir``; return the YAML path.
+
+    The YAML names the JSON by its path relative to the current directory when it is inside it (so a
+    shipped recipe config works from the repository root), else by its absolute path.
+    """
+    from common.config import dump_yaml
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / json_name
+    json_path.write_text(json.dumps(ds_config, indent=2) + "\n")
+    try:
+        shown = str(json_path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        shown = str(json_path.resolve())
+    yaml_dict = accelerate_config(
+        shown, num_processes, num_machines, zero3_init=zero_stage(ds_config) == 3, use_cpu=use_cpu
+    )
+    yaml_path = out_dir / "accelerate.yaml"
+    yaml_path.write_text(dump_yaml(yaml_dict))
+    return yaml_path
+
+
+def preset_names() -> tuple[str, ...]:
+    """All preset names, in the order ``zero-recipes ls`` shows them."""
+    return PRESET_NAMES

@@ -1,0 +1,59 @@
+"""Helpers for tests that run the project the way a user does: as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for MASTER_PORT / --main_process_port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a launched run: one thread per process, a fresh master port."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MASTER_PORT=str(free_port()))
+    env.pop("LOCAL_RANK", None)
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], timeout: float = 600, cwd: Path | None = None, check: bool = True, **env: str):
+    """Run a command, return the CompletedProcess; on failure show the tail of its output."""
+    proc = subprocess.run(
+        [str(a) for a in args],
+        cwd=cwd or REPO,
+        env=subprocess_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        tail = (proc.stdout[-3000:] + "\n---- stderr ----\n" + proc.stderr[-6000:]).strip()
+        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(map(str, args))}\n{tail}")
+    return proc
+
+
+def accelerate_launch(script: Path | str, script_args: list[str], config_file: Path, num_processes: int = 2,
+                      timeout: float = 600, check: bool = True):
+    """``accelerate launch --config_file ... script args`` with a free port."""
+    args = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
+            "--num_processes", str(num_processes), "--main_process_port", str(free_port()), str(script), *script_args]
+    return run(args, timeout=timeout, check=check)
+
+
+def read_json(path: Path):
+    return json.loads(Path(path).read_text())

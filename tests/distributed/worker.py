@@ -1,0 +1,197 @@
+"""Train a small MLP for a few steps through Lightning or Accelerate with a factory preset; record facts.
+
+Each rank writes ``OUT/rank{r}.json`` with its per-step losses, the DeepSpeed engine's effective
+settings (batch, accumulation, clipping, precision, every ZeRO field) and the model-state bytes it
+holds (``common.accounting``). The tests compare these across stages and backends.
+
+    python tests/distributed/worker.py --backend lightning --preset deepspeed_stage_3 --precision fp32 --out OUT
+    accelerate launch --config_file CFG tests/distributed/worker.py --backend accelerate ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from common.accounting import model_state_bytes
+from common.activation import apply_activation_checkpointing
+from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
+
+HIDDEN = 512
+
+
+class Block(torch.nn.Module):
+    """A residual MLP block: the unit activation checkpointing wraps."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self, width: int = HIDDEN, depth: int = 3, frozen_body: bool = False) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(32, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
+        self.out = torch.nn.Linear(width, 1)
+        if frozen_body:  # the LoRA situation: most weights frozen, a few trainable
+            for p in self.parameters():
+                p.requires_grad_(False)
+            self.out.requires_grad_(True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def make_data(n: int = 256) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, 32, generator=g)
+    y = (x[:, :4].sum(dim=1, keepdim=True)).tanh() + 0.1 * torch.randn(n, 1, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def engine_facts(engine) -> dict:
+    """The settings DeepSpeed actually runs with (what both backends must agree on)."""
+    return {
+        "train_batch_size": engine.train_batch_size(),
+        "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+        "grad_accum": engine.gradient_accumulation_steps(),
+        "gradient_clipping": engine.gradient_clipping(),
+        "bf16": engine.bfloat16_enabled(),
+        "fp16": engine.fp16_enabled(),
+        "zero": engine._config.zero_config.model_dump(mode="json"),
+    }
+
+
+def dump(out: Path, rank: int, losses: list[float], engine, num_params: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "rank": rank,
+        "losses": losses,
+        "engine": engine_facts(engine),
+        "state_bytes": model_state_bytes(engine),
+        "num_params": num_params,
+        "persistent_params": sum(p.ds_numel for p in engine.module.parameters() if getattr(p, "ds_persist", False)),
+        "optimizer": type(engine.optimizer).__name__,
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def run_lightning(args, ds_config) -> None:
+    import lightning as L
+
+    from common.strategy import lightning_trainer_kwargs
+
+    losses: list[float] = []
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = TinyNet(frozen_body=args.frozen)
+            if args.activation_checkpointing != "none":
+                apply_activation_checkpointing(self.net, args.activation_checkpointing, block_classes=[Block])
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x).float(), y)
+            losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            params = [p for p in self.parameters() if p.requires_grad]
+            return make_optimizer(params, self.trainer.strategy.config, lr=args.lr)
+
+    module = Module()
+    num_params = sum(p.numel() for p in module.parameters())
+    loader = torch.utils.data.DataLoader(make_data(), batch_size=args.micro_batch_size)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **lightning_trainer_kwargs(ds_config),
+    )
+    trainer.fit(module, loader)
+    dump(Path(args.out), trainer.global_rank, losses, trainer.strategy.model, num_params)
+
+
+def run_accelerate(args, ds_config) -> None:
+    from accelerate import Accelerator
+
+    from common.strategy import accelerator_kwargs
+
+    accelerator = Accelerator(**accelerator_kwargs(ds_config))
+    torch.manual_seed(0)
+    net = TinyNet(frozen_body=args.frozen)
+    if args.activation_checkpointing != "none":
+        apply_activation_checkpointing(net, args.activation_checkpointing, block_classes=[Block])
+    num_params = sum(p.numel() for p in net.parameters())
+    optimizer = make_optimizer([p for p in net.parameters() if p.requires_grad], ds_config, lr=args.lr)
+    loader = torch.utils.data.DataLoader(make_data(), batch_size=args.micro_batch_size)
+    engine, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+    dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
+    losses: list[float] = []
+    step = 0
+    for x, y in loader:
+        with accelerator.accumulate(engine):
+            loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+        step += 1
+        if step >= args.steps * ds_config["gradient_accumulation_steps"]:
+            break
+    dump(Path(args.out), accelerator.process_index, losses, engine, num_params)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", choices=("lightning", "accelerate"), required=True)
+    parser.add_argument("--preset", default="deepspeed_stage_2")
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--activation-checkpointing", default="none")
+    parser.add_argument("--frozen", action="store_true")
+    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    from common.config import parse_overrides
+
+    world_size = int(os.environ.get("WORLD_SIZE", args.devices))
+    facts = RunFacts(
+        world_size=world_size,
+        micro_batch_size=args.micro_batch_size,
+        grad_accum=args.grad_accum,
+        precision=args.precision,
+        hidden_size=HIDDEN,
+    )
+    ds_config = resolve_deepspeed_config(args.preset, facts, parse_overrides(args.set))
+    (run_lightning if args.backend == "lightning" else run_accelerate)(args, ds_config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The ``zero-recipes`` command as a user runs it: output, files, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+EXE = shutil.which("zero-recipes")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    assert EXE, "zero-recipes is not installed: pip install -e ."
+    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_ls_lists_every_preset_with_its_why():
+    out = cli("ls")
+    assert out.returncode == 0
+    for name in ("ddp", "deepspeed_stage_3_offload_nvme", "cv", "nlp", "science", "finetune"):
+        assert f"  {name} " in out.stdout
+
+
+def test_config_nlp_prints_stage3_and_persistence():
+    out = cli("config", "nlp", "--world-size", "8", "--micro-batch-size", "4", "--hidden-size", "4096")
+    assert out.returncode == 0, out.stderr
+    assert '"stage": 3' in out.stdout
+    cfg = json.loads(out.stdout)
+    assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 1_000_000
+    assert cfg["train_batch_size"] == 32
+
+
+def test_config_science_and_cv():
+    science = json.loads(cli("config", "science", "--world-size", "8", "--micro-batch-size", "4").stdout)
+    assert science["bf16"]["enabled"] is True and science["fp16"]["enabled"] is False
+    assert science["zero_optimization"]["stage"] == 2
+    assert science["zero_optimization"]["round_robin_gradients"] is True
+    cv = json.loads(cli("config", "cv", "--world-size", "8", "--micro-batch-size", "4").stdout)
+    assert cv["zero_optimization"]["stage"] == 2
+
+
+def test_config_writes_accelerate_pair(tmp_path):
+    out = cli("config", "cv", "--world-size", "2", "--format", "accelerate", "--out", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr
+    launch = yaml.safe_load((tmp_path / "run" / "accelerate.yaml").read_text())
+    assert launch["num_processes"] == 2
+    ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["config", "nlpp"], "did you mean 'nlp'"),
+        (["config", "cv", "--set", "zero_optimization.stag=2"], "did you mean 'stage'"),
+        (["config", "cv", "--set", "stage=7"], "must be 0, 1, 2 or 3"),
+        (["config", "science", "--precision", "fp16"], "refuses fp16"),
+        (["config", "deepspeed_stage_3_offload_nvme"], "NVMe offload needs a path"),
+        (["config", "cv", "--world-size", "two"], "expected a positive integer"),
+        (["config", "cv", "--set", "zero_optimization.reduce_bucket_size=lots"], "reduce_bucket_size"),
+        (["config", "cv", "--set", "novalue"], "not key=value"),
+        (["nosuchcommand"], "invalid choice"),
+    ],
+)
+def test_bad_input_one_line_exit_2(args, message):
+    out = cli(*args)
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
