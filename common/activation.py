@@ -106,9 +106,17 @@ def _wrap_forward(module: torch.nn.Module, use_reentrant: bool) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not (module.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
-        # Reentrant checkpoint takes positional tensors only: bind keyword arguments first (as
-        # transformers' GradientCheckpointingLayer does).
-        return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=use_reentrant)
+        # Reentrant checkpoint tracks gradients through positional tensors only, and transformers
+        # calls sub-modules with keywords (self_attn(hidden_states=...)): pass keyword tensors
+        # positionally and rebuild the call inside.
+        tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        other = {k: v for k, v in kwargs.items() if k not in tensor_keys}
+        n_args = len(args)
+
+        def run(*flat: Any) -> Any:
+            return original(*flat[:n_args], **dict(zip(tensor_keys, flat[n_args:])), **other)
+
+        return checkpoint(run, *args, *(kwargs[k] for k in tensor_keys), use_reentrant=use_reentrant)
 
     module.forward = forward  # type: ignore[method-assign]
     module._zr_checkpointed = True  # type: ignore[attr-defined]
@@ -180,6 +188,11 @@ def apply_activation_checkpointing(
     for name, module in select_modules(blocks, preset, every_k):
         _wrap_forward(module, use_reentrant)
         report.wrapped.append(name)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # A KV cache filled during the forward pass is appended to again by the recomputation, and
+        # the recomputed attention then differs (wrong gradients); transformers does the same.
+        config.use_cache = False
     if use_reentrant and hasattr(model, "enable_input_require_grads"):
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if embeddings is not None and not any(p.requires_grad for p in embeddings.parameters()):
