@@ -47,11 +47,28 @@ def run(args: list[str], timeout: float = 600, cwd: Path | None = None, check: b
     return proc
 
 
-def accelerate_launch(script: Path | str, script_args: list[str], config_file: Path, num_processes: int = 2,
-                      timeout: float = 600, check: bool = True):
+def accelerate_launch(
+    script: Path | str,
+    script_args: list[str],
+    config_file: Path,
+    num_processes: int = 2,
+    timeout: float = 600,
+    check: bool = True,
+):
     """``accelerate launch --config_file ... script args`` with a free port."""
-    args = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
-            "--num_processes", str(num_processes), "--main_process_port", str(free_port()), str(script), *script_args]
+    args = [
+        PYTHON,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config_file),
+        "--num_processes",
+        str(num_processes),
+        "--main_process_port",
+        str(free_port()),
+        str(script),
+        *script_args,
+    ]
     return run(args, timeout=timeout, check=check)
 
 

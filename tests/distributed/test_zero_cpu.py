@@ -34,8 +34,19 @@ BF16_FLOOR = 1e-2
 
 
 def launch(backend: str, preset: str, precision: str, out: Path, extra: list[str] | None = None) -> list[dict]:
-    args = ["--backend", backend, "--preset", preset, "--precision", precision, "--out", str(out),
-            "--lr", "3e-5", *(extra or [])]
+    args = [
+        "--backend",
+        backend,
+        "--preset",
+        preset,
+        "--precision",
+        precision,
+        "--out",
+        str(out),
+        "--lr",
+        "3e-5",
+        *(extra or []),
+    ]
     if backend == "lightning":
         run([PYTHON, WORKER, *args], timeout=600)
     else:
@@ -123,7 +134,11 @@ def test_model_state_bytes_match_formula(runs, backend, stage, precision):
     for record in runs(backend, stage, precision):
         measured = record["state_bytes"]
         predicted = predicted_model_state_bytes(
-            record["num_params"], stage, 2, precision, grads_alive=False,
+            record["num_params"],
+            stage,
+            2,
+            precision,
+            grads_alive=False,
             persistent_params=record["persistent_params"],
         )
         for key in ("params", "optimizer", "model_states"):
@@ -134,8 +149,7 @@ def test_model_state_bytes_match_formula(runs, backend, stage, precision):
 @pytest.mark.parametrize("backend", ["lightning", "accelerate"])
 def test_zero3_activation_checkpointing_with_frozen_weights(tmp_path, backend):
     """The LoRA situation: stage 3, most weights frozen, blocks checkpointed (reentrant): trains."""
-    records = launch(backend, "deepspeed_stage_3", "bf16", tmp_path,
-                     ["--frozen", "--activation-checkpointing", "full"])
+    records = launch(backend, "deepspeed_stage_3", "bf16", tmp_path, ["--frozen", "--activation-checkpointing", "full"])
     for record in records:
         assert len(record["losses"]) == 5
         assert all(loss == loss for loss in record["losses"])  # no NaN

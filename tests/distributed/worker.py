@@ -148,15 +148,13 @@ def run_accelerate(args, ds_config) -> None:
     engine, optimizer, loader = accelerator.prepare(net, optimizer, loader)
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
     losses: list[float] = []
-    step = 0
-    for x, y in loader:
+    for step, (x, y) in enumerate(loader, start=1):
         with accelerator.accumulate(engine):
             loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
         losses.append(loss.item())
-        step += 1
         if step >= args.steps * ds_config["gradient_accumulation_steps"]:
             break
     dump(Path(args.out), accelerator.process_index, losses, engine, num_params)

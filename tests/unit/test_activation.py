@@ -76,8 +76,15 @@ def test_recompute_really_happens():
 
 
 def tiny_llama(frozen: bool) -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     if frozen:
