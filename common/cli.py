@@ -128,8 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
+    from common import copy_recipe, memory
+
+    return [copy_recipe.register, memory.register]
+
+
 # Other modules (planning tools, export, cp) add their subcommands here: (subparsers) -> None.
-EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = _extra_commands()
 
 
 @exit_on_user_error()
