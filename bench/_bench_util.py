@@ -1,0 +1,87 @@
+"""Shared by the benchmarks: launching a 2-process group per backend, medians, docs/benchmarks.md sections."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from common.strategy import RunFacts, resolve_deepspeed_config, write_accelerate_files
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "benchmarks.md"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_group(
+    script: Path, backend: str, preset: str, script_args: list[str], nproc: int = 2, timeout: float = 900
+) -> None:
+    """Run ``script`` as a process group of ``nproc`` ranks through the backend's own launcher."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    if backend == "raw":
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            env["MASTER_PORT"],
+            str(script),
+            *script_args,
+        ]
+    elif backend == "accelerate":
+        cfg_dir = Path(env.get("TMPDIR", "/tmp")) / f"zr-bench-acc-{os.getpid()}-{preset}"
+        ds = resolve_deepspeed_config(
+            preset, RunFacts(world_size=nproc, micro_batch_size=8, precision="bf16", hidden_size=256)
+        )
+        cfg = write_accelerate_files(ds, cfg_dir, num_processes=nproc)
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(cfg),
+            "--main_process_port",
+            env["MASTER_PORT"],
+            str(script),
+            *script_args,
+        ]
+    else:
+        cmd = [sys.executable, str(script), *script_args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{backend} {preset} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def write_section(name: str, command: str, date: str, body: str) -> None:
+    """Replace (or append) section ``name`` of docs/benchmarks.md, keeping the others."""
+    DOC.parent.mkdir(exist_ok=True)
+    header = "# Benchmarks (measured here)\n\nEach section says the command that produced it and when.\n"
+    text = DOC.read_text() if DOC.exists() else header
+    block = (
+        f"<!-- {name}:start -->\n## {name}\n\nCommand: `{command}` ({date}, this machine: 2 CPU cores, shared)."
+        f"\n\n{body}\n<!-- {name}:end -->"
+    )
+    pattern = re.compile(rf"<!-- {name}:start -->.*?<!-- {name}:end -->", re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)
