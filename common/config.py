@@ -54,14 +54,20 @@ def parse_value(text: str) -> Any:
     return stripped
 
 
-def parse_overrides(items: list[str] | None) -> dict[str, Any]:
-    """Parse ``["a=1", "b.c=true"]`` into ``{"a": 1, "b.c": True}``; a missing ``=`` is an error."""
+def parse_overrides(items: list[str] | None, typed: bool = True) -> dict[str, Any]:
+    """Parse ``["a=1", "b.c=true"]`` into ``{"a": 1, "b.c": True}``; a missing ``=`` is an error.
+
+    Args:
+        items: ``key=value`` strings.
+        typed: convert values with :func:`parse_value` (for untyped targets such as DeepSpeed keys);
+            False keeps the text for a dataclass field's own type to convert.
+    """
     overrides: dict[str, Any] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not key=value")
-        overrides[key.strip()] = parse_value(value)
+        overrides[key.strip()] = parse_value(value) if typed else value.strip()
     return overrides
 
 
@@ -104,17 +110,21 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(errors[0])
     if origin is list:
         (item_tp,) = typing.get_args(tp) or (Any,)
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()] if value.strip() else []
+        if isinstance(value, str) and value.strip().startswith("["):
+            value = parse_value(value)
+        elif isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()] if value.strip() else []
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [coerce(key, v, item_tp) if item_tp is not Any else v for v in value]
     if origin is dict or tp is dict:
+        if isinstance(value, str) and value.strip().startswith("{"):
+            value = parse_value(value)
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return value
     if tp is Any:
-        return value
+        return parse_value(value) if isinstance(value, str) else value
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -188,7 +198,9 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | di
     for key in values:
         if key not in types_by_name:
             raise ConfigError(f"{source}: unknown key {key!r}{nearest(key, types_by_name)}")
-    parsed = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+    # Command-line values stay text here and are converted by the field's type in coerce(): a str field
+    # given "none" (activation_checkpointing=none) must stay the word, not become None.
+    parsed = overrides if isinstance(overrides, dict) else parse_overrides(overrides, typed=False)
     for key in parsed:
         if key not in types_by_name:
             raise ConfigError(

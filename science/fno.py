@@ -17,7 +17,9 @@ Precision policy (guide 2, 7.3: in science, precision matters):
   parameters, and its bf16 mode casts every parameter to bf16 - which the upcast undoes for the
   multiply.
 * Everything else (lifting, 1x1 convolutions, projection) follows the module's dtype or autocast,
-  as usual.
+  as usual - unless ``fp32_head=True``: then the projection head computes in float32 (weights
+  upcast, autocast off) and returns float32, so the prediction itself is never rounded to bf16
+  (bf16 rounding of ``u(x, T)`` alone is ~1e-3 relative error, the size of the paper's figure).
 
 The grid feature is ``x_j = j / n`` (the periodic grid the data live on), not the paper code's
 ``linspace(0, 1, n)``, so that a model trained at one resolution sees the same coordinates at
@@ -88,6 +90,8 @@ class FNO1d(nn.Module):
         proj_width: Hidden size of the projection head.
         in_channels: Input function channels (1 for Burgers' ``u0``); the grid is appended.
         out_channels: Output function channels.
+        fp32_head: Compute the projection head in float32 whatever the module dtype (see the module
+            docstring); the output is then float32.
 
     Shapes:
         ``[batch, n]`` -> ``[batch, n]``, or ``[batch, n, in_channels]`` -> ``[batch, n, out_channels]``.
@@ -101,11 +105,13 @@ class FNO1d(nn.Module):
         proj_width: int = 128,
         in_channels: int = 1,
         out_channels: int = 1,
+        fp32_head: bool = False,
     ) -> None:
         super().__init__()
         if n_layers < 1:
             raise ValueError(f"n_layers must be >= 1, got {n_layers}")
         self.modes, self.in_channels, self.out_channels = (modes, in_channels, out_channels)
+        self.fp32_head = fp32_head
         self.lift = nn.Linear(in_channels + 1, width)
         self.spectral_layers = nn.ModuleList(SpectralConv1d(width, width, modes) for _ in range(n_layers))
         self.pointwise_layers = nn.ModuleList(nn.Conv1d(width, width, kernel_size=1) for _ in range(n_layers))
@@ -134,8 +140,16 @@ class FNO1d(nn.Module):
             v = spectral(v) + pointwise(v)
             if i < last:
                 v = F.gelu(v)
-        out = self.project(v.permute(0, 2, 1))
+        v = v.permute(0, 2, 1)
+        out = self._project_fp32(v) if self.fp32_head else self.project(v)
         return out.squeeze(-1) if squeeze and self.out_channels == 1 else out
+
+    def _project_fp32(self, v: torch.Tensor) -> torch.Tensor:
+        """The projection head in float32: the module's (e.g. bf16) weights are upcast, autocast is off."""
+        first, last = self.project[0], self.project[2]
+        with torch.autocast(device_type=v.device.type, enabled=False):
+            h = F.gelu(F.linear(v.float(), first.weight.float(), first.bias.float()))
+            return F.linear(h, last.weight.float(), last.bias.float())
 
 
 def relative_l2(pred: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

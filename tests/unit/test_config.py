@@ -43,6 +43,10 @@ def test_yaml_then_overrides(tmp_path):
 
 def test_none_values():
     assert load_config(Demo, None, ["data=none"]).data is None
+    # A plain str field keeps the word: activation_checkpointing=none must not become None or "None".
+    assert load_config(Demo, None, ["model=none"]).model == "none"
+    assert load_config(Demo, None, ["layers=[1, 2]"]).layers == [1, 2]
+    assert load_config(Demo, None, ["layers=3,4"]).layers == [3, 4]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,1211 @@
+"""Config linter: the known ZeRO pitfalls of DESIGN.md and the guides, and upstream ones, each with its fix.
+
+``zero-recipes lint CONFIG`` reads a recipe YAML, a DeepSpeed JSON or an accelerate YAML, normalises
+it into a :class:`LintView` (the DeepSpeed dict, the recipe config dict or None, the source kind, the
+installed versions and whatever is known of the model), and runs every rule of :data:`RULES` on it.
+A rule is a small pure function ``(view) -> list[Finding]``; tests build views directly.
+
+Severities: ``error`` (the run fails or silently does the wrong thing; exit code 1), ``warning``
+(costs memory, speed or accuracy; fix it or know why not), ``info`` (worth knowing, nothing to fix:
+shipped presets may carry info findings on purpose, e.g. ``round_robin_gradients`` in ``science``).
+
+Every recipe lints its resolved config at start (docs/tools.md)::
+
+    findings = lint_run(ds_config, config_to_dict(cfg), backend="lightning", hidden_size=hidden,
+                        world_size=world_size, ranks_per_node=devices)
+    if rank0:
+        print_findings(findings)
+    if has_errors(findings):
+        raise ConfigError("the config linter found errors (above); docs/tools.md lists the rules")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from common.errors import ConfigError
+
+SEVERITIES = ("error", "warning", "info")
+SOURCE_KINDS = ("recipe", "deepspeed", "accelerate", "run")
+BACKENDS = ("lightning", "accelerate", "hf_trainer")
+
+GUIDE_BUCKET_MIN = 5e8  # guide 2, 6: "reduce_bucket_size ... between 5e8 and 2e9"
+GUIDE_BUCKET_MAX = 2e9
+DS_DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size / allgather_bucket_size default
+DS_DEFAULT_PERSISTENCE = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
+# A threshold of 64 h^2 keeps every matrix of a transformer block whole (the largest is ~4-8 h^2 at
+# most): stage 3 then shards little more than the embeddings.
+PERSISTENCE_MAX_PER_H2 = 64
+
+# ZeRO partitions these optimizers (DeepSpeed's own names and the torch classes the recipes pass in).
+PARTITION_OPTIMIZERS = {
+    "adam",
+    "adamw",
+    "fusedadam",
+    "cpuadam",
+    "deepspeedcpuadam",
+    "onebitadam",
+    "zerooneadam",
+    "lamb",
+    "fusedlamb",
+    "onebitlamb",
+    "adagrad",
+    "cpuadagrad",
+}
+
+# Keys whose "auto" Accelerate fills (from its config, the prepared model's hidden size and DummyOptim).
+ACCELERATE_AUTO_KEYS = {
+    "train_micro_batch_size_per_gpu",
+    "train_batch_size",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "fp16.enabled",
+    "bf16.enabled",
+    "zero_optimization.stage",
+    "zero_optimization.offload_optimizer.device",
+    "zero_optimization.offload_param.device",
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "optimizer.params.lr",
+    "optimizer.params.weight_decay",
+    "scheduler.params.warmup_max_lr",
+    "scheduler.params.warmup_num_steps",
+    "scheduler.params.total_num_steps",
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: which rule, how bad, what is wrong, and what to do."""
+
+    rule_id: str
+    severity: str
+    message: str
+    fix: str
+
+
+@dataclass
+class LintView:
+    """The normalised input every rule reads.
+
+    Attributes:
+        ds_config: the DeepSpeed dict (resolved by the factory for a recipe; as written for a JSON).
+        recipe_config: the recipe's config as a dict, or None for a bare DeepSpeed / accelerate file.
+        source_kind: ``recipe``, ``deepspeed``, ``accelerate`` or ``run`` (a recipe linting itself).
+        versions: installed versions, ``{"torch": "2.4.0", "deepspeed": "0.16.1", "nccl": "2.21.5"}``.
+        backend: who consumes ``ds_config``: ``lightning``, ``accelerate``, ``hf_trainer`` or None (unknown).
+        hidden_size: the model's hidden size, when known.
+        num_params: the model's parameter count, when known.
+        ranks_per_node: processes per node (offload host RAM).
+        world_size: data-parallel ranks.
+        host_ram_bytes: host RAM available for pinned offload buffers (None: not checked).
+        device_memory_bytes: memory of one device (activation check; None: not checked).
+        model: :class:`common.memory.ModelFacts` for the activation estimate, or None.
+        accelerate_config: the accelerate YAML, for accelerate sources.
+        path: the file linted, for messages.
+    """
+
+    ds_config: dict[str, Any] | None
+    recipe_config: dict[str, Any] | None = None
+    source_kind: str = "deepspeed"
+    versions: dict[str, str] = field(default_factory=dict)
+    backend: str | None = None
+    hidden_size: int | None = None
+    num_params: int | None = None
+    ranks_per_node: int = 1
+    world_size: int = 1
+    host_ram_bytes: float | None = None
+    device_memory_bytes: float | None = None
+    model: Any = None
+    accelerate_config: dict[str, Any] | None = None
+    path: str | None = None
+
+    # --- small readers the rules share ---
+
+    @property
+    def zero(self) -> dict[str, Any]:
+        """``zero_optimization`` (empty when absent)."""
+        zero = (self.ds_config or {}).get("zero_optimization")
+        return zero if isinstance(zero, dict) else {}
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage (DeepSpeed's default 0 when absent or not a number)."""
+        stage = self.zero.get("stage", 0)
+        return stage if isinstance(stage, int) and not isinstance(stage, bool) else 0
+
+    def section_enabled(self, name: str) -> bool:
+        """Whether ``fp16`` / ``bf16`` is enabled in the DeepSpeed dict."""
+        section = (self.ds_config or {}).get(name)
+        if isinstance(section, dict):
+            return section.get("enabled") is True
+        return section is True
+
+    def recipe(self, key: str, default: Any = None) -> Any:
+        """A recipe config value, or ``default`` without a recipe config."""
+        return (self.recipe_config or {}).get(key, default)
+
+    def offload_device(self, section: str) -> str:
+        """``cpu``, ``nvme`` or ``none`` for ``offload_optimizer`` / ``offload_param``."""
+        offload = self.zero.get(section)
+        if isinstance(offload, dict):
+            return str(offload.get("device") or "none").lower()
+        return "none"
+
+    @property
+    def precision(self) -> str:
+        """``fp16``, ``bf16`` or ``fp32`` as the DeepSpeed dict says (the recipe's when there is no dict)."""
+        if self.ds_config is None:
+            return str(self.recipe("precision", "fp32"))
+        if self.section_enabled("fp16"):
+            return "fp16"
+        if self.section_enabled("bf16"):
+            return "bf16"
+        return "fp32"
+
+    @property
+    def where(self) -> str:
+        """``path: `` prefix for messages."""
+        return f"{self.path}: " if self.path else ""
+
+
+Rule = Callable[[LintView], list[Finding]]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _auto_keys(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        found = []
+        for key, value in node.items():
+            found += _auto_keys(value, f"{prefix}{key}.")
+        return found
+    if isinstance(node, list):
+        return [k for i, v in enumerate(node) for k in _auto_keys(v, f"{prefix}{i}.")]
+    return [prefix[:-1]] if node == "auto" else []
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+        if not piece.isdigit():
+            break
+    return tuple(parts)
+
+
+# --- rules --------------------------------------------------------------------------------------------
+
+
+def rule_lightning_16_mixed(view: LintView) -> list[Finding]:
+    """Lightning's ``16-mixed`` under DeepSpeed is DeepSpeed's fp16 engine, not ``torch.autocast``."""
+    values = [view.recipe("precision")]
+    trainer = view.recipe("trainer")
+    if isinstance(trainer, dict):
+        values.append(trainer.get("precision"))
+    if any(str(v) in ("16-mixed", "16", "16-true") for v in values if v is not None):
+        return [
+            Finding(
+                "lightning-16-mixed",
+                "warning",
+                "Lightning's precision '16-mixed' under DeepSpeedStrategy switches on DeepSpeed fp16: the engine "
+                "holds fp16 weights with dynamic loss scaling; it is not torch.autocast with fp32 weights",
+                "use precision: bf16 (Lightning 'bf16-mixed'); keep fp16 only on hardware without bf16, with "
+                "dynamic loss scaling (fp16.loss_scale 0, loss_scale_window 1000)",
+            )
+        ]
+    return []
+
+
+def rule_grad_accum_in_lightning_dict(view: LintView) -> list[Finding]:
+    """Lightning raises if ``gradient_accumulation_steps`` is inside the DeepSpeed dict it is given."""
+    if view.ds_config is None or "gradient_accumulation_steps" not in view.ds_config:
+        return []
+    if view.backend == "lightning":
+        severity = "error"
+        message = (
+            "gradient_accumulation_steps is inside the DeepSpeed dict given to Lightning: DeepSpeedStrategy raises "
+            "'Do not set gradient_accumulation_steps in the DeepSpeed config'"
+        )
+    elif view.backend is None and view.source_kind == "deepspeed":
+        severity = "info"
+        message = (
+            "gradient_accumulation_steps is set: fine for Accelerate and deepspeed.initialize, but Lightning's "
+            "DeepSpeedStrategy(config=...) raises on it"
+        )
+    else:
+        return []
+    return [
+        Finding(
+            "grad-accum-in-lightning-dict",
+            severity,
+            message,
+            "pass Trainer(accumulate_grad_batches=N) and drop the key; common.strategy.lightning_trainer_kwargs "
+            "does both from one resolved dict",
+        )
+    ]
+
+
+def rule_auto_values(view: LintView) -> list[Finding]:
+    """``"auto"`` is filled only by the Hugging Face Trainer (Accelerate fills a documented subset)."""
+    if view.ds_config is None or view.backend == "hf_trainer":
+        return []
+    keys = _auto_keys(view.ds_config)
+    if not keys:
+        return []
+    fix = (
+        "write numbers: zero-recipes config PRESET --world-size N --micro-batch-size B --hidden-size H resolves "
+        "every value (or run under the Hugging Face Trainer, which fills 'auto')"
+    )
+    if view.backend == "accelerate":
+        unfilled = [k for k in keys if k not in ACCELERATE_AUTO_KEYS]
+        if not unfilled:
+            return [
+                Finding(
+                    "auto-values",
+                    "info",
+                    f"'auto' in {', '.join(keys)}: Accelerate fills these from its config, the prepared model's "
+                    "hidden_size and the prepared DataLoader's batch size; nothing else does",
+                    fix,
+                )
+            ]
+        keys = unfilled
+        who = "Accelerate fills only batch, accumulation, clipping, precision, stage/offload and hidden-size keys"
+    else:
+        who = "deepspeed.initialize and Lightning fill none"
+    return [
+        Finding(
+            "auto-values",
+            "error",
+            f"'auto' in {', '.join(keys)}: only the Hugging Face Trainer resolves 'auto' ({who}); "
+            "DeepSpeed then fails on the string",
+            fix,
+        )
+    ]
+
+
+def rule_round_robin_without_offload(view: LintView) -> list[Finding]:
+    """DeepSpeed documents ``round_robin_gradients`` as an optimisation for CPU offload."""
+    if not view.zero.get("round_robin_gradients"):
+        return []
+    if view.offload_device("offload_optimizer") != "none":
+        return []
+    return [
+        Finding(
+            "round-robin-without-offload",
+            "info",
+            "round_robin_gradients is on without optimizer offload: DeepSpeed documents it as a stage 1/2 "
+            "optimisation of the CPU-offload gradient copy, so here it changes nothing (the science preset keeps "
+            "it because guide 2, 7.3 asks for it)",
+            "keep it (harmless) or drop it; it pays off with offload_optimizer.device: cpu",
+        )
+    ]
+
+
+def rule_persistence_threshold(view: LintView) -> list[Finding]:
+    """Stage-3 persistence threshold vs hidden size: too small gathers norms one by one, too large shards nothing."""
+    if view.stage != 3 or not view.hidden_size:
+        return []
+    raw = view.zero.get("stage3_param_persistence_threshold", DS_DEFAULT_PERSISTENCE)
+    threshold = _number(raw)
+    if threshold is None:
+        return []
+    h = view.hidden_size
+    if threshold < h:
+        return [
+            Finding(
+                "persistence-threshold",
+                "warning",
+                f"stage3_param_persistence_threshold {threshold:.0f} is below the hidden size {h}: every norm weight "
+                "and bias (h elements) is partitioned and all-gathered on its own, one latency-bound collective each",
+                f"set it to about 10 x hidden = {10 * h} (the Hugging Face Trainer's rule; the factory's default)",
+            )
+        ]
+    if threshold >= PERSISTENCE_MAX_PER_H2 * h * h:
+        return [
+            Finding(
+                "persistence-threshold",
+                "warning",
+                f"stage3_param_persistence_threshold {threshold:.3g} is >= {PERSISTENCE_MAX_PER_H2} x hidden^2 "
+                f"({PERSISTENCE_MAX_PER_H2 * h * h:.3g} for hidden {h}): every weight matrix stays whole on every "
+                "rank, so stage 3 costs its all-gathers but saves little over stage 2",
+                f"set it to about 10 x hidden = {10 * h}, or 1e6 to keep small matrices resident (guide 2, 7.2)",
+            )
+        ]
+    return []
+
+
+def _buckets(view: LintView) -> list[tuple[str, float]]:
+    keys = ["reduce_bucket_size"] + (["allgather_bucket_size"] if view.stage in (1, 2) else [])
+    out = []
+    for key in keys:
+        value = _number(view.zero.get(key, DS_DEFAULT_BUCKET))
+        if value is not None:
+            out.append((key, value))
+    return out
+
+
+def rule_bucket_size(view: LintView) -> list[Finding]:
+    """Guide 2 (6): buckets between 5e8 and 2e9 elements; the presets scale them down for small models.
+
+    Fires (warning) above 2e9; below 5e8 only when the model is known to be big enough for 5e8
+    (32 x hidden^2 >= 5e8, the presets' own scaling, i.e. hidden >= ~4000). Below 5e8 with no hidden
+    size known, in a DeepSpeed or accelerate file, it is an info: a small bucket is right for a small
+    model and wrong for a 7B one, and only the model can tell.
+    """
+    if view.ds_config is None or view.stage == 0:
+        return []
+    buckets = _buckets(view)
+    scaled = 32 * view.hidden_size**2 if view.hidden_size else None
+    big = [f"{k} {v:.3g}" for k, v in buckets if v > GUIDE_BUCKET_MAX]
+    small = [f"{k} {v:.3g}" for k, v in buckets if v < GUIDE_BUCKET_MIN]
+    findings = []
+    if big:
+        findings.append(
+            Finding(
+                "bucket-size",
+                "warning",
+                f"{', '.join(big)} above guide 2's 2e9: one huge collective blocks the stream instead of overlapping "
+                "with compute" + (", and stage 3 preallocates the reduce bucket" if view.stage == 3 else ""),
+                "set the bucket sizes between 5e8 and 2e9 (5e8 is the guide's steady start)",
+            )
+        )
+    if small and scaled is not None and scaled >= GUIDE_BUCKET_MIN:
+        findings.append(
+            Finding(
+                "bucket-size",
+                "warning",
+                f"{', '.join(small)} below guide 2's 5e8 for a model of hidden size {view.hidden_size}: many small "
+                "collectives, each paying the network's latency (the presets use min(5e8, 32 x hidden^2) = 5e8 here)",
+                f"set them to 5e8, or let the factory size them: zero-recipes config PRESET --hidden-size "
+                f"{view.hidden_size}",
+            )
+        )
+    elif small and scaled is None and view.source_kind in ("deepspeed", "accelerate"):
+        findings.append(
+            Finding(
+                "bucket-size",
+                "info",
+                f"{', '.join(small)} below guide 2's 5e8: right for a small model (the presets use "
+                "min(5e8, 32 x hidden^2)), too small for a 7B-class one; the hidden size is not known here",
+                "pass --hidden-size (or --model-config) to check them against the model",
+            )
+        )
+    return findings
+
+
+def rule_stage3_bucket_preallocated(view: LintView) -> list[Finding]:
+    """Stage 3 preallocates ``reduce_bucket_size`` elements per rank whatever the model's size (measured)."""
+    if view.stage != 3 or not view.hidden_size or view.ds_config is None:
+        return []
+    value = _number(view.zero.get("reduce_bucket_size", DS_DEFAULT_BUCKET))
+    scaled = 32 * view.hidden_size**2
+    if value is None or scaled >= GUIDE_BUCKET_MIN or value < GUIDE_BUCKET_MIN:
+        return []
+    nbytes = value * (4 if view.precision == "fp32" else 2)
+    return [
+        Finding(
+            "stage3-bucket-preallocated",
+            "warning",
+            f"stage 3 preallocates reduce_bucket_size = {value:.3g} elements per rank: {nbytes / 1e9:.2f} GB whatever "
+            f"the model's size (measured, DESIGN.md), for a model of hidden size {view.hidden_size}",
+            f"scale it to the model: reduce_bucket_size = 32 x hidden^2 = {scaled} (what the presets do)",
+        )
+    ]
+
+
+def rule_fp16_in_science(view: LintView) -> list[Finding]:
+    """Guide 2 (7.3): scientific models need bf16 or fp32, never fp16."""
+    recipe_precision = str(view.recipe("precision", ""))
+    science = view.recipe("preset") == "science" or (view.path is not None and "recipes/science" in view.path)
+    fp16 = recipe_precision in ("fp16", "16-mixed", "16") or (view.ds_config is not None and view.precision == "fp16")
+    if science and fp16:
+        return [
+            Finding(
+                "fp16-in-science",
+                "error",
+                "fp16 in the science preset: fp16's 5-bit exponent overflows and its 10-bit mantissa drops the small "
+                "terms scientific models depend on (guide 2, 7.3)",
+                "use precision: bf16 (fp16.enabled false, bf16.enabled true) or fp32",
+            )
+        ]
+    return []
+
+
+def rule_stage3_full_checkpointing(view: LintView) -> list[Finding]:
+    """Guide 2 (6): stage 3 + ``full`` activation checkpointing recomputes (and re-gathers) twice."""
+    if view.stage != 3 or view.recipe("activation_checkpointing") != "full":
+        return []
+    return [
+        Finding(
+            "stage3-full-checkpointing",
+            "warning",
+            "ZeRO stage 3 with 'full' activation checkpointing: guide 2 (6) warns it recomputes twice (each recomputed "
+            "block re-gathers its parameters), costing throughput",
+            "use activation_checkpointing: save_memory_optimized (skips the last block's wasted re-gather), or measure "
+            "both: zero-recipes probe RECIPE --activation-checkpointing full,save_memory_optimized",
+        )
+    ]
+
+
+def _offload_host_bytes(view: LintView) -> float | None:
+    if not view.num_params:
+        return None
+    from common.memory import ModelFacts, guide_model_states
+
+    offload = "params" if view.offload_device("offload_param") == "cpu" else "optimizer"
+    precision = view.precision if view.precision in ("bf16", "fp16", "fp32") else "bf16"
+    _, host = guide_model_states(
+        ModelFacts(num_params=view.num_params), view.stage, offload, view.world_size, precision
+    )
+    return host * view.ranks_per_node
+
+
+def rule_offload_pin_memory(view: LintView) -> list[Finding]:
+    """Offload with ``pin_memory``: page-locked host buffers cannot be swapped; check them against host RAM."""
+    pinned = [
+        s
+        for s in ("offload_optimizer", "offload_param")
+        if view.offload_device(s) == "cpu" and view.zero[s].get("pin_memory")
+    ]
+    if not pinned or view.host_ram_bytes is None or view.stage == 0:
+        return []
+    need = _offload_host_bytes(view)
+    if need is None:
+        return []
+    have = view.host_ram_bytes
+    if need <= 0.8 * have:
+        return []
+    return [
+        Finding(
+            "offload-pin-memory",
+            "error" if need > have else "warning",
+            f"{' and '.join(pinned)} pin about {need / 1e9:.1f} GB of host RAM per node "
+            f"({view.ranks_per_node} rank(s) x offloaded states of {view.num_params:.3g} parameters), against "
+            f"{have / 1e9:.1f} GB available: pinned memory cannot be swapped, so the host runs out first",
+            "set pin_memory: false (slower host-device copies, but pageable), offload the optimizer only, or add "
+            "nodes (the offloaded share per node falls with them)",
+        )
+    ]
+
+
+def rule_flash_attention_fp32(view: LintView) -> list[Finding]:
+    """FlashAttention kernels take fp16/bf16 only."""
+    requested = [view.recipe(k) for k in ("attention", "attn_implementation", "attention_implementation")]
+    flash = (
+        any(isinstance(v, str) and v.startswith("flash") for v in requested) or view.recipe("flash_attention") is True
+    )
+    if flash and view.precision == "fp32":
+        return [
+            Finding(
+                "flash-attention-fp32",
+                "error",
+                "FlashAttention with fp32: its kernels accept only fp16 and bf16 inputs, so the run fails (or "
+                "transformers falls back to another attention)",
+                "use precision: bf16, or attention: sdpa for fp32",
+            )
+        ]
+    return []
+
+
+def rule_torch_zero_leak(view: LintView) -> list[Finding]:
+    """Guide 2 (6): PyTorch before 1.12 leaks memory under ZeRO."""
+    version = view.versions.get("torch")
+    if not version or view.stage == 0 or _version_tuple(version) >= (1, 12):
+        return []
+    return [
+        Finding(
+            "torch-zero-memory-leak",
+            "error",
+            f"PyTorch {version} is installed: versions before 1.12 have a ZeRO memory leak (guide 2, 6)",
+            "upgrade: pip install 'torch>=2.4' (the guide's stable pairing is PyTorch 2.0 + DeepSpeed 0.9 or newer)",
+        )
+    ]
+
+
+def rule_deepspeed_06_zero3(view: LintView) -> list[Finding]:
+    """Guide 2 (6): DeepSpeed 0.6's ZeRO-3 has a parameter-synchronisation bug."""
+    version = view.versions.get("deepspeed")
+    if not version or view.stage != 3 or _version_tuple(version)[:2] != (0, 6):
+        return []
+    return [
+        Finding(
+            "deepspeed-0.6-zero3-sync",
+            "error",
+            f"DeepSpeed {version} is installed: 0.6's ZeRO-3 has a parameter synchronisation bug (guide 2, 6)",
+            "upgrade: pip install 'deepspeed>=0.16' (the guide's stable pairing is DeepSpeed 0.9+ with PyTorch 2.0+)",
+        )
+    ]
+
+
+def rule_nccl_version(view: LintView) -> list[Finding]:
+    """Guide 2 (5.1): NCCL 2.10 or newer."""
+    version = view.versions.get("nccl")
+    if not version or _version_tuple(version) >= (2, 10):
+        return []
+    return [
+        Finding(
+            "nccl-version",
+            "warning",
+            f"NCCL {version}: guide 2 (5.1) asks for 2.10 or newer for ZeRO's reduce-scatter and all-gather",
+            "install a PyTorch build that bundles a newer NCCL",
+        )
+    ]
+
+
+def rule_stage3_needs_checkpointing(view: LintView) -> list[Finding]:
+    """Guide 1 (5.1): stage 3 still out of memory -> activation checkpointing. Checked with the estimator."""
+    if view.stage != 3 or view.model is None or not view.device_memory_bytes:
+        return []
+    if view.recipe("activation_checkpointing", "none") != "none":
+        return []
+    from common.memory import USABLE_FRACTION, transformer_activations
+
+    seq_len = int(view.recipe("seq_len") or 0)
+    batch = int(view.recipe("micro_batch_size") or (view.ds_config or {}).get("train_micro_batch_size_per_gpu") or 1)
+    if not seq_len:
+        return []
+    precision = view.precision if view.precision in ("bf16", "fp16", "fp32") else "bf16"
+    none = transformer_activations(view.model, seq_len, batch, "none", precision)
+    full = transformer_activations(view.model, seq_len, batch, "full", precision)
+    if none is None or full is None:
+        return []
+    states = 16 * view.model.num_params / max(1, view.world_size)
+    usable = USABLE_FRACTION * view.device_memory_bytes
+    if states + none <= usable or states + full > usable:
+        return []
+    return [
+        Finding(
+            "stage3-needs-checkpointing",
+            "warning",
+            f"stage 3 without activation checkpointing: model states {states / 1e9:.2f} GB + activations "
+            f"{none / 1e9:.2f} GB per rank (Korthikanti et al.) exceed {usable / 1e9:.2f} GB usable; stage 3 shards "
+            "model states, not activations (guide 1, 5.1)",
+            f"activation_checkpointing: save_memory_optimized or full (activations about {full / 1e9:.2f} GB)",
+        )
+    ]
+
+
+def rule_offload_order(view: LintView) -> list[Finding]:
+    """Guide 1 (3.2-3.3, 5.1): offload optimizer states first, parameters after."""
+    if view.offload_device("offload_param") == "none" or view.offload_device("offload_optimizer") != "none":
+        return []
+    return [
+        Finding(
+            "offload-order",
+            "warning",
+            "parameters are offloaded but optimizer states are not: the guide's order is optimizer states first "
+            "(12 B/param, touched once per step), parameters last (fetched every layer over PCIe)",
+            "offload_optimizer: {device: cpu} first; add offload_param only if that does not fit",
+        )
+    ]
+
+
+def rule_offload_stage(view: LintView) -> list[Finding]:
+    """Parameter offload needs stage 3; optimizer offload needs stage 1 or more."""
+    findings = []
+    if view.offload_device("offload_param") != "none" and view.stage != 3:
+        findings.append(
+            Finding(
+                "offload-stage",
+                "error",
+                f"offload_param needs ZeRO stage 3 (stage is {view.stage}): DeepSpeed ignores or refuses it",
+                "use offload_optimizer with stages 1-2, or stage: 3",
+            )
+        )
+    if view.offload_device("offload_optimizer") != "none" and view.stage == 0:
+        findings.append(
+            Finding(
+                "offload-stage",
+                "error",
+                "offload_optimizer needs ZeRO stage 1, 2 or 3 (stage is 0)",
+                "set zero_optimization.stage to 2 (deepspeed_stage_2_offload)",
+            )
+        )
+    return findings
+
+
+def rule_nvme_path(view: LintView) -> list[Finding]:
+    """NVMe offload needs a local NVMe folder."""
+    findings = []
+    for section in ("offload_optimizer", "offload_param"):
+        if view.offload_device(section) == "nvme" and not view.zero[section].get("nvme_path"):
+            findings.append(
+                Finding(
+                    "nvme-path",
+                    "error",
+                    f"{section}.device is nvme without nvme_path",
+                    f"set zero_optimization.{section}.nvme_path to a local NVMe folder (nvme_path=... in a recipe)",
+                )
+            )
+    return findings
+
+
+def rule_fp16_loss_scaling(view: LintView) -> list[Finding]:
+    """Guide 2 (3.2): NaN/Inf with fp16 -> dynamic loss scaling with loss_scale_window, or bf16."""
+    if view.ds_config is None or not view.section_enabled("fp16"):
+        return []
+    fp16 = view.ds_config.get("fp16")
+    scale = _number(fp16.get("loss_scale", 0)) if isinstance(fp16, dict) else 0
+    if not scale:
+        return []
+    return [
+        Finding(
+            "fp16-loss-scaling",
+            "warning",
+            f"fp16 with a static loss scale ({scale:g}): gradients overflow to Inf/NaN or underflow to zero as their "
+            "range drifts (guide 2, 3.2)",
+            "set fp16.loss_scale: 0 (dynamic) with loss_scale_window: 1000, or use bf16",
+        )
+    ]
+
+
+def rule_fp16_and_bf16(view: LintView) -> list[Finding]:
+    """DeepSpeed refuses both precisions at once."""
+    if view.ds_config is None or not (view.section_enabled("fp16") and view.section_enabled("bf16")):
+        return []
+    return [
+        Finding(
+            "fp16-and-bf16",
+            "error",
+            "fp16 and bf16 are both enabled: DeepSpeed refuses the config",
+            "enable one: bf16.enabled true and fp16.enabled false (or the reverse on hardware without bf16)",
+        )
+    ]
+
+
+def rule_optimizer_partition(view: LintView) -> list[Finding]:
+    """Guide 1 (5.1): an optimizer without partition support breaks ZeRO; fall back to the Adam family."""
+    names = []
+    section = (view.ds_config or {}).get("optimizer")
+    if isinstance(section, dict) and section.get("type"):
+        names.append(str(section["type"]))
+    if isinstance(view.recipe("optimizer"), str):
+        names.append(view.recipe("optimizer"))
+    bad = [n for n in names if n.lower().replace("_", "").replace("-", "") not in PARTITION_OPTIMIZERS]
+    if not bad or view.stage == 0:
+        return []
+    return [
+        Finding(
+            "optimizer-partition",
+            "warning",
+            f"optimizer {bad[0]!r} under ZeRO stage {view.stage}: ZeRO partitions Adam-family optimizers (Adam, AdamW, "
+            "Lamb, Adagrad and their DeepSpeed versions); others run untested or fail when their state is "
+            "partitioned (guide 1, 5.1)",
+            "use AdamW (common.strategy.make_optimizer), or set zero_allow_untested_optimizer and test the result",
+        )
+    ]
+
+
+def rule_stage3_consolidate(view: LintView) -> list[Finding]:
+    """Guide 1 (5.1): stage-3 checkpoints are sharded; consolidate before loading on one device.
+
+    Not reported for recipes: they consolidate into ``final/`` themselves.
+    """
+    if view.stage != 3 or view.zero.get("stage3_gather_16bit_weights_on_model_save"):
+        return []
+    if view.source_kind in ("recipe", "run"):
+        return []
+    return [
+        Finding(
+            "stage3-consolidate",
+            "info",
+            "stage-3 checkpoints are sharded per rank and do not load on one device as they are",
+            "consolidate first: zero-recipes export RUN_DIR (DeepSpeed's zero_to_fp32), then load; re-shard by "
+            "loading the consolidated weights into a new run with the new world size",
+        )
+    ]
+
+
+def rule_zero_stage_missing(view: LintView) -> list[Finding]:
+    """Guide 2 (3.2): out of memory because ZeRO is not in effect."""
+    if view.source_kind != "deepspeed" or view.ds_config is None:
+        return []
+    if "stage" in view.zero:
+        return []
+    return [
+        Finding(
+            "zero-stage-missing",
+            "warning",
+            "no zero_optimization.stage: DeepSpeed defaults to stage 0, every rank holds all 16 B/param "
+            "(guide 2, 3.2: 'ZeRO config not in effect')",
+            "set zero_optimization.stage explicitly (2 is the guide's baseline)",
+        )
+    ]
+
+
+def rule_offload_small_batch(view: LintView) -> list[Finding]:
+    """Guide 1 (3.3, 5.1): offload throughput collapses at small batches; raise the batch."""
+    if view.offload_device("offload_optimizer") == "none" and view.offload_device("offload_param") == "none":
+        return []
+    batch = view.recipe("micro_batch_size") or (view.ds_config or {}).get("train_micro_batch_size_per_gpu")
+    if not isinstance(batch, int) or batch > 1:
+        return []
+    return [
+        Finding(
+            "offload-small-batch",
+            "info",
+            "offload with micro batch 1: each step pays the host-device copies for little compute",
+            "raise micro_batch_size / grad_accum so compute hides the PCIe transfers (guide 1, 3.3)",
+        )
+    ]
+
+
+def rule_accelerate_precision(view: LintView) -> list[Finding]:
+    """accelerate YAML ``mixed_precision`` and the DeepSpeed JSON's fp16/bf16 must agree."""
+    acc = view.accelerate_config or {}
+    mixed = acc.get("mixed_precision")
+    if not mixed or view.ds_config is None or not (acc.get("deepspeed_config") or {}).get("deepspeed_config_file"):
+        return []
+    wanted = {"bf16": "bf16", "fp16": "fp16", "no": "fp32"}.get(str(mixed))
+    if wanted is None or wanted == view.precision:
+        return []
+    return [
+        Finding(
+            "accelerate-precision-mismatch",
+            "error",
+            f"accelerate mixed_precision '{mixed}' but the DeepSpeed JSON trains in {view.precision}: Accelerate "
+            "refuses or silently takes one of the two",
+            "drop mixed_precision from the accelerate YAML (the JSON decides) or make them equal",
+        )
+    ]
+
+
+RULES: dict[str, Rule] = {
+    "lightning-16-mixed": rule_lightning_16_mixed,
+    "grad-accum-in-lightning-dict": rule_grad_accum_in_lightning_dict,
+    "auto-values": rule_auto_values,
+    "round-robin-without-offload": rule_round_robin_without_offload,
+    "persistence-threshold": rule_persistence_threshold,
+    "bucket-size": rule_bucket_size,
+    "stage3-bucket-preallocated": rule_stage3_bucket_preallocated,
+    "fp16-in-science": rule_fp16_in_science,
+    "stage3-full-checkpointing": rule_stage3_full_checkpointing,
+    "stage3-needs-checkpointing": rule_stage3_needs_checkpointing,
+    "offload-pin-memory": rule_offload_pin_memory,
+    "offload-order": rule_offload_order,
+    "offload-stage": rule_offload_stage,
+    "offload-small-batch": rule_offload_small_batch,
+    "nvme-path": rule_nvme_path,
+    "flash-attention-fp32": rule_flash_attention_fp32,
+    "fp16-loss-scaling": rule_fp16_loss_scaling,
+    "fp16-and-bf16": rule_fp16_and_bf16,
+    "optimizer-partition": rule_optimizer_partition,
+    "stage3-consolidate": rule_stage3_consolidate,
+    "zero-stage-missing": rule_zero_stage_missing,
+    "accelerate-precision-mismatch": rule_accelerate_precision,
+    "torch-zero-memory-leak": rule_torch_zero_leak,
+    "deepspeed-0.6-zero3-sync": rule_deepspeed_06_zero3,
+    "nccl-version": rule_nccl_version,
+}
+
+SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+def run_rules(view: LintView, rules: dict[str, Rule] | None = None) -> list[Finding]:
+    """Every rule on ``view``, findings sorted errors first."""
+    findings: list[Finding] = []
+    for rule in (rules or RULES).values():
+        findings += rule(view)
+    return sorted(findings, key=lambda f: SEVERITY_ORDER[f.severity])
+
+
+def has_errors(findings: list[Finding]) -> bool:
+    """Whether any finding is an error (``zero-recipes lint`` then exits 1)."""
+    return any(f.severity == "error" for f in findings)
+
+
+def actionable(findings: list[Finding]) -> list[Finding]:
+    """Errors and warnings: what "no finding on a shipped preset" counts (info is documentation)."""
+    return [f for f in findings if f.severity != "info"]
+
+
+def installed_versions() -> dict[str, str]:
+    """Installed PyTorch and DeepSpeed versions (package metadata, no import), and NCCL's on a GPU."""
+    from importlib import metadata
+
+    versions = {}
+    for package in ("torch", "deepspeed"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[package] = metadata.version(package)
+    try:
+        import torch
+
+        if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
+            versions["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+    except Exception:  # no torch or no NCCL: nothing to check
+        pass
+    return versions
+
+
+def _available_host_ram() -> float | None:
+    try:
+        import psutil
+
+        return float(psutil.virtual_memory().available)
+    except Exception:
+        return None
+
+
+def _world_from_ds(ds_config: dict[str, Any]) -> int:
+    total, micro, accum = (
+        ds_config.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    )
+    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (total, micro, accum)):
+        return max(1, total // (micro * accum))
+    return 1
+
+
+def lint_run(
+    ds_config: dict[str, Any] | None,
+    recipe_config: dict[str, Any] | None = None,
+    *,
+    backend: str | None = None,
+    num_params: int | None = None,
+    hidden_size: int | None = None,
+    world_size: int | None = None,
+    ranks_per_node: int | None = None,
+    versions: dict[str, str] | None = None,
+) -> list[Finding]:
+    """Lint a run as a recipe is about to start it: its resolved DeepSpeed dict and its config as a dict.
+
+    Args:
+        ds_config: the factory's resolved dict (``resolve_ds_config(cfg, world_size)``).
+        recipe_config: ``common.config.config_to_dict(cfg)``.
+        backend: ``lightning`` or ``accelerate`` (the resolved dict is the full one either way: the Lightning
+            adapter removes what Lightning refuses, so ``grad-accum-in-lightning-dict`` does not fire here).
+        num_params: the model's parameter count (checks pinned offload memory against host RAM).
+        hidden_size: the model's hidden size (persistence threshold and bucket checks).
+        world_size: data-parallel ranks (default: from the batch sizes in ``ds_config``).
+        ranks_per_node: processes per node (default: ``world_size``).
+        versions: installed versions (default: :func:`installed_versions`).
+
+    Returns:
+        Findings, errors first. Print them with :func:`print_findings`.
+    """
+    world = world_size or (_world_from_ds(ds_config) if ds_config else 1)
+    view = LintView(
+        ds_config=ds_config,
+        recipe_config=recipe_config,
+        source_kind="run",
+        versions=installed_versions() if versions is None else versions,
+        backend=backend,
+        hidden_size=hidden_size,
+        num_params=num_params,
+        world_size=world,
+        ranks_per_node=ranks_per_node or world,
+        host_ram_bytes=_available_host_ram(),
+    )
+    return run_rules(view)
+
+
+def format_finding(finding: Finding) -> str:
+    """``error [rule-id] message`` and an indented ``fix:`` line."""
+    return f"{finding.severity:<7} [{finding.rule_id}] {finding.message}\n        fix: {finding.fix}"
+
+
+def print_findings(findings: list[Finding], file: TextIO | None = None, prefix: str = "lint: ") -> None:
+    """Print findings (or one line saying there are none) for a person reading the run's log."""
+    out = file or sys.stderr
+    if not findings:
+        print(f"{prefix}no findings", file=out, flush=True)
+        return
+    counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
+    summary = ", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n)
+    print(f"{prefix}{summary}", file=out)
+    for finding in findings:
+        print(format_finding(finding), file=out)
+    out.flush()
+
+
+# --- reading files ------------------------------------------------------------------------------------
+
+
+def _guess_recipe(path: Path, data: dict[str, Any]) -> str | None:
+    from common.probe import RECIPES_DIR, load_recipe_module, recipe_config_class, recipe_names
+
+    try:
+        relative = path.resolve().relative_to(RECIPES_DIR.resolve())
+        if (RECIPES_DIR / relative.parts[0] / "recipe_config.py").is_file():
+            return relative.parts[0]
+    except ValueError:
+        pass
+    for name in recipe_names():
+        try:
+            fields = {f.name for f in dataclasses.fields(recipe_config_class(load_recipe_module(name)))}
+        except ConfigError:
+            continue
+        if set(data) <= fields and "preset" in data:
+            return name
+    return None
+
+
+def _invalid(message: str) -> Finding:
+    return Finding(
+        "config-invalid", "error", message, "fix the value the message names (zero-recipes ls lists presets)"
+    )
+
+
+def _recipe_view(
+    path: Path, data: dict[str, Any], recipe: str | None, hidden: int | None, params: int | None, model: Any
+) -> tuple[LintView, list[Finding]]:
+    from common.config import config_to_dict
+    from common.probe import load_recipe_config, recipe_ds_config, recipe_model_facts, recipe_world
+
+    findings: list[Finding] = []
+    name = recipe or _guess_recipe(path, data)
+    view = LintView(
+        ds_config=None,
+        recipe_config=dict(data),
+        source_kind="recipe",
+        path=str(path),
+        hidden_size=hidden,
+        num_params=params,
+        model=model,
+    )
+    if name is None:  # a recipe-shaped YAML of no known recipe: resolve its preset with the factory
+        from common.config import parse_overrides
+        from common.strategy import RunFacts, resolve_deepspeed_config
+
+        try:
+            facts = RunFacts(
+                world_size=max(1, int(data.get("devices") or 1)) * int(data.get("num_nodes") or 1),
+                micro_batch_size=int(data.get("micro_batch_size", 1)),
+                grad_accum=int(data.get("grad_accum", 1)),
+                precision=data.get("precision"),
+                hidden_size=hidden,
+            )
+            view.ds_config = resolve_deepspeed_config(
+                data.get("preset", "deepspeed_stage_2"), facts, parse_overrides(data.get("ds_overrides") or [])
+            )
+            view.world_size = facts.world_size
+        except (ConfigError, ValueError, TypeError) as exc:
+            findings.append(_invalid(f"{path}: {exc}"))
+        return view, findings
+    try:
+        module, cfg = load_recipe_config(name, path)
+    except ConfigError as exc:
+        findings.append(_invalid(str(exc)))
+        return view, findings
+    view.recipe_config = config_to_dict(cfg)
+    gpus, nodes = recipe_world(cfg)
+    view.world_size, view.ranks_per_node = gpus * nodes, gpus
+    if view.model is None:
+        try:
+            view.model = recipe_model_facts(module, cfg)
+        except Exception as exc:  # a model that cannot be built on meta: lint the rest
+            findings.append(
+                Finding("model-facts", "info", f"model size not known ({exc})", "pass --params / --hidden-size")
+            )
+    if view.model is not None:
+        view.hidden_size = view.hidden_size or view.model.hidden_size
+        view.num_params = view.num_params or view.model.num_params
+    try:
+        view.ds_config = recipe_ds_config(module, cfg, view.world_size, view.hidden_size)
+    except ConfigError as exc:
+        findings.append(_invalid(str(exc)))
+    return view, findings
+
+
+def _accelerate_view(path: Path, data: dict[str, Any]) -> tuple[LintView, list[Finding]]:
+    from common.probe import REPO_ROOT
+
+    findings: list[Finding] = []
+    dsc = data.get("deepspeed_config") or {}
+    processes = int(data.get("num_processes") or 1)
+    machines = int(data.get("num_machines") or 1)
+    view = LintView(
+        ds_config=None,
+        source_kind="accelerate",
+        backend="accelerate",
+        accelerate_config=data,
+        path=str(path),
+        world_size=processes,
+        ranks_per_node=max(1, processes // machines),
+    )
+    if data.get("distributed_type") not in (None, "DEEPSPEED"):
+        return view, findings
+    file = dsc.get("deepspeed_config_file")
+    if file:
+        candidates = (
+            [Path(file)] if Path(file).is_absolute() else [Path.cwd() / file, path.parent / file, REPO_ROOT / file]
+        )
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            findings.append(
+                Finding(
+                    "config-not-found",
+                    "info",
+                    f"deepspeed_config_file {file!r} is not found from here, so its DeepSpeed settings are not "
+                    "checked (accelerate launch resolves it relative to the directory it is started from)",
+                    f"lint the JSON itself (zero-recipes lint {file}), or run the linter from the launch directory",
+                )
+            )
+            return view, findings
+        try:
+            view.ds_config = json.loads(found.read_text())
+        except json.JSONDecodeError as exc:
+            findings.append(_invalid(f"{found}: not valid JSON ({exc.msg}, line {exc.lineno})"))
+        return view, findings
+    zero: dict[str, Any] = {"stage": dsc.get("zero_stage", 0)}
+    for section, key in (("offload_optimizer", "offload_optimizer_device"), ("offload_param", "offload_param_device")):
+        if dsc.get(key) not in (None, "none"):
+            zero[section] = {"device": dsc[key], "nvme_path": dsc.get(f"{key.split('_device')[0]}_nvme_path")}
+    mixed = str(data.get("mixed_precision", "no"))
+    view.ds_config = {
+        "zero_optimization": zero,
+        "bf16": {"enabled": mixed == "bf16"},
+        "fp16": {"enabled": mixed == "fp16"},
+    }
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):
+        if key in dsc:
+            view.ds_config[key] = dsc[key]
+    return view, findings
+
+
+def lint_file(
+    path: str | Path,
+    *,
+    recipe: str | None = None,
+    backend: str | None = None,
+    hidden_size: int | None = None,
+    num_params: int | None = None,
+    model: Any = None,
+    versions: dict[str, str] | None = None,
+    device_memory_bytes: float | None = None,
+) -> list[Finding]:
+    """Lint a recipe YAML, a DeepSpeed JSON or an accelerate YAML.
+
+    Args:
+        path: the file.
+        recipe: the recipe a YAML belongs to (default: from its folder, or the recipe whose keys it uses).
+        backend: who will consume a DeepSpeed JSON (``lightning``, ``accelerate``, ``hf_trainer``).
+        hidden_size: the model's hidden size, when the file does not say.
+        num_params: the model's parameter count, when the file does not say.
+        model: :class:`common.memory.ModelFacts` (from ``--model-config``).
+        versions: installed versions (default: :func:`installed_versions`).
+        device_memory_bytes: memory of one target device for the activation check (default: the local GPU's;
+            without a GPU the check is skipped, since a config meant for GPUs says nothing about a laptop's RAM).
+    """
+    from common.config import read_yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if model is not None:
+        hidden_size = hidden_size or model.hidden_size
+        num_params = num_params or model.num_params
+    findings: list[Finding] = []
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            return [_invalid(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})")]
+        if not isinstance(data, dict):
+            return [_invalid(f"{path}: expected a JSON object")]
+        view = LintView(
+            ds_config=data,
+            source_kind="deepspeed",
+            backend=backend,
+            path=str(path),
+            world_size=_world_from_ds(data),
+            ranks_per_node=_world_from_ds(data),
+        )
+    else:
+        data = read_yaml(path)
+        if "distributed_type" in data or "compute_environment" in data:
+            view, findings = _accelerate_view(path, data)
+        else:
+            view, findings = _recipe_view(path, data, recipe, hidden_size, num_params, model)
+            view.backend = backend
+    view.hidden_size = view.hidden_size or hidden_size
+    view.num_params = view.num_params or num_params
+    view.model = view.model or model
+    view.versions = installed_versions() if versions is None else versions
+    view.host_ram_bytes = _available_host_ram()
+    view.device_memory_bytes = device_memory_bytes
+    if device_memory_bytes is None and view.model is not None and view.source_kind == "recipe":
+        import torch
+
+        if torch.cuda.is_available():
+            from common.memory import local_device_memory
+
+            view.device_memory_bytes = local_device_memory(view.ranks_per_node)[0]
+    return sorted(findings + run_rules(view), key=lambda f: SEVERITY_ORDER[f.severity])
+
+
+# --- the `zero-recipes lint` command ------------------------------------------------------------------
+
+
+def register(sub: Any) -> None:
+    """Add ``zero-recipes lint`` to the CLI's subparsers."""
+    p = sub.add_parser(
+        "lint",
+        help="check a recipe YAML, DeepSpeed JSON or accelerate YAML for known ZeRO pitfalls",
+        description="Check a config for the pitfalls of the guides and upstream ones; each finding names its rule, "
+        "severity and fix. Exit code 1 when there is an error.",
+    )
+    p.add_argument("config", help="recipe YAML, DeepSpeed JSON or accelerate YAML")
+    p.add_argument("--recipe", default=None, help="the recipe a YAML belongs to (default: guessed)")
+    p.add_argument("--backend", choices=BACKENDS, default=None, help="who consumes a DeepSpeed JSON")
+    p.add_argument("--hidden-size", type=int, default=None, help="the model's hidden size")
+    p.add_argument("--params", default=None, help="the model's parameter count, e.g. 7e9")
+    p.add_argument("--model-config", default=None, help="a Hugging Face config.json (hidden size and parameters)")
+    p.add_argument(
+        "--gpu-memory", default=None, help="memory per device for the activation check, e.g. 80GB (default: local GPU)"
+    )
+    p.add_argument("--json", action="store_true", help="print findings as JSON")
+    p.set_defaults(func=cmd_lint)
+
+
+def cmd_lint(args: Any) -> int:
+    """``zero-recipes lint``: print findings, exit 1 on errors."""
+    from common.memory import facts_from_hf_config, parse_bytes, parse_count
+
+    model = facts_from_hf_config(args.model_config) if args.model_config else None
+    findings = lint_file(
+        args.config,
+        recipe=args.recipe,
+        backend=args.backend,
+        hidden_size=args.hidden_size,
+        num_params=parse_count(args.params) if args.params else None,
+        model=model,
+        device_memory_bytes=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "config": args.config,
+                    "findings": [asdict(f) for f in findings],
+                    "errors": sum(f.severity == "error" for f in findings),
+                },
+                indent=2,
+            )
+        )
+    else:
+        print_findings(findings, file=sys.stdout, prefix=f"{args.config}: ")
+    return 1 if has_errors(findings) else 0

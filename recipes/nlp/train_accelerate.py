@@ -1,0 +1,241 @@
+"""Causal LM (Llama) with ZeRO-3 and parameter persistence as a plain Accelerate loop: the same run as train.py.
+
+Launch, from the repository root:
+
+    accelerate launch --config_file recipes/nlp/accelerate.yaml recipes/nlp/train_accelerate.py          # CPU: 2 procs
+    accelerate launch --config_file recipes/nlp/accelerate.yaml --num_processes 1 \\
+        recipes/nlp/train_accelerate.py --config recipes/nlp/configs/llama_125m.yaml                      # 1 GPU
+    accelerate launch --config_file recipes/nlp/accelerate.yaml --num_processes 8 \\
+        recipes/nlp/train_accelerate.py --config recipes/nlp/configs/llama_1b.yaml                        # 8 GPUs
+    # multi-node: add --num_machines N --machine_rank R --main_process_ip HOST on every node
+
+``accelerate.yaml`` + ``ds_config.json`` are the factory's output for the default config on 2 processes; the
+script builds its DeepSpeed plugin from the same factory (``common.strategy.accelerator_kwargs``), so a changed
+``micro_batch_size`` or ``preset`` needs no edit of either file. Keys, run directory and ``summary.json`` are
+those of train.py (``--print-config`` lists the keys).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from recipe_config import (
+    Clock,
+    all_reduce,
+    build_model,
+    check_out_dir,
+    eval_batches,
+    evaluate,
+    final_export,
+    held_param_elements,
+    hidden_size,
+    initial_val_loss,
+    lm_loss,
+    load_data,
+    lr_lambda,
+    measured_text,
+    memory_plan,
+    model_config,
+    param_groups,
+    param_sizes,
+    parse_args,
+    plan_text,
+    resolve_ds_config,
+    set_threads,
+    summary,
+    tokenizer_source,
+    train_loader,
+    write_run_files,
+)
+from tqdm.auto import tqdm
+
+from common.accounting import model_state_bytes
+from common.checkpoint import (
+    checkpoint_step,
+    gather_full_state_dict,
+    latest_checkpoint,
+    publish_checkpoint,
+    tmp_checkpoint_dir,
+)
+from common.errors import ConfigError, exit_on_user_error
+from common.metrics import gpu_peak_flops, mfu, peak_memory_bytes, throughput
+from common.rundir import MetricsLog, prepare_run_dir, write_json_atomic
+from common.strategy import accelerator_kwargs, make_optimizer
+from nlp.data import DataError
+from nlp.model import ModelError, flops_per_token, resolve_attention, restore_fp32_rope
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated", category=FutureWarning)
+
+
+def save_checkpoint(accelerator: Accelerator, out_dir: Path, step: int) -> None:
+    """Every rank writes its shards (and the scheduler, RNG) into a temporary folder; rank 0 publishes it."""
+    accelerator.save_state(str(tmp_checkpoint_dir(out_dir, step)))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        publish_checkpoint(out_dir, step)
+    accelerator.wait_for_everyone()
+
+
+@exit_on_user_error(DataError, ModelError)
+def main() -> None:
+    cfg = parse_args()
+    clock = Clock()
+    out_dir = Path(cfg.out_dir)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    check_out_dir(cfg)  # every rank sees the same folder, so every rank stops with the same one-line error
+
+    # --- DeepSpeed through Accelerate: the factory's dict, with ZeRO-3's partitioned construction turned on ---
+    ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
+    accelerator = Accelerator(**accelerator_kwargs(ds_config))
+    rank, device, main_process = accelerator.process_index, accelerator.device, accelerator.is_main_process
+    if cfg.devices not in (0, world_size) and main_process:
+        print(f"note: devices={cfg.devices} is Lightning's; accelerate launched {world_size} process(es)")
+
+    # --- data: rank 0 trains the tokenizer and writes the run files, the other ranks then load them ---
+    trained_tokenizer = tokenizer_source(cfg, trained_here=False) is None
+    with accelerator.main_process_first():
+        data = load_data(cfg, tokenizer_source(cfg, trained_here=cfg.resume or not main_process), world_size)
+        if main_process:
+            prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
+            trained = trained_tokenizer and not cfg.resume
+            write_run_files(cfg, out_dir, ds_config, data, world_size, device.type, trained)
+            print(f"data: {data.info()}", flush=True)
+
+    # --- model: built inside zero.Init (the plugin's zero3_init_flag), so no rank holds it whole ---
+    config = model_config(cfg, data.tokenizer)
+    attention = resolve_attention(cfg.attention, device.type, DTYPES[cfg.precision])
+    model = build_model(cfg, config, attention)
+    held = held_param_elements(model)
+    plan = memory_plan(param_sizes(model), ds_config, world_size)
+    if main_process:
+        print(plan_text(plan))
+        print(f"after construction rank 0 holds {held:,} of {plan['num_params']:,} parameter elements", flush=True)
+    optimizer = make_optimizer(
+        param_groups(model, cfg.weight_decay), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay
+    )
+    # A plain LambdaLR stepped once per optimizer step (a prepared scheduler would step once per process).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    restore_fp32_rope(engine.module)  # a no-op here (transformers' own zero.Init keeps RoPE in fp32); see train.py
+    accelerator.register_for_checkpointing(scheduler)
+
+    start_step = 0
+    if cfg.resume:
+        latest = latest_checkpoint(out_dir)
+        if latest is None:
+            raise ConfigError(f"resume=true but {out_dir}/checkpoints holds no complete checkpoint")
+        accelerator.load_state(str(latest))
+        start_step = checkpoint_step(latest)
+        accelerator.print(f"resumed from {latest} (step {start_step})")
+    # Not prepared: StepSampler already gives each rank its slice, in an order fixed by (seed, step).
+    loader = train_loader(data, cfg, rank, world_size, start_step)
+    val_batches = eval_batches(data, cfg, rank, world_size)
+    log = MetricsLog(out_dir, enabled=main_process)
+    facts: dict = {}
+
+    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not main_process, dynamic_ncols=True)
+
+    def say(text: str) -> None:  # rank 0 only, without breaking the progress bar
+        if main_process:
+            bar.write(text)
+
+    def run_eval(step: int) -> None:
+        facts["val_loss"] = evaluate(engine, val_batches, device)
+        log.log(step, val_loss=facts["val_loss"], elapsed_s=clock.wall())
+        say(f"step {step}: val_loss {facts['val_loss']:.4f} ({clock.wall():.0f} s)")
+
+    # --- training ---
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len  # per device
+    if start_step == 0:
+        run_eval(0)
+    engine.train()
+    step, losses = start_step, []
+    clock.skip()
+    for batch in loader:
+        with accelerator.accumulate(engine):
+            loss = lm_loss(engine, batch["input_ids"].to(device), batch["labels"].to(device))
+            accelerator.backward(loss)  # DeepSpeed's backward, and its optimizer step at the accumulation boundary
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.detach())
+        if len(losses) < cfg.grad_accum:
+            continue
+        scheduler.step()
+        step += 1
+        clock.step_done()
+        mean_loss = all_reduce(torch.stack(losses).mean()).item() / world_size
+        losses.clear()
+        bar.update(1)
+        bar.set_postfix(loss=f"{mean_loss:.3f}")
+        if step == start_step + 1:
+            facts["model_state_bytes"] = model_state_bytes(engine)
+            say(measured_text(facts["model_state_bytes"]))
+        if step % cfg.log_interval == 0 or step == cfg.max_steps:
+            log.log(
+                step,
+                train_loss=mean_loss,
+                lr=cfg.lr * lr_lambda(cfg)(step - 1),
+                tokens_per_s_per_device=tokens_per_step / clock.median_step(),
+                elapsed_s=clock.wall(),
+            )
+        if step % cfg.eval_interval == 0 or step == cfg.max_steps:
+            run_eval(step)
+            engine.train()
+        if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
+            save_checkpoint(accelerator, out_dir, step)
+        clock.skip()
+    bar.close()
+
+    # --- export: logits on a fixed batch and whole weights (collective), then final/ and its check on rank 0 ---
+    fixed = data.val.blocks[:2]
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=fixed[:, :-1].to(device), use_cache=False).logits.float().cpu()
+    state = gather_full_state_dict(engine.module, rank)
+    peak = int(all_reduce(torch.tensor(float(peak_memory_bytes()), device=device), "max").item())
+    if main_process:
+        exported = final_export(engine.module, state, data.tokenizer, out_dir, fixed, logits, cfg, attention)
+        tokens_per_s = tokens_per_step / clock.median_step()
+        measured = facts.get("model_state_bytes", {})
+        result = summary(
+            cfg,
+            ds_config,
+            val_loss=facts["val_loss"],
+            initial_val_loss=initial_val_loss(out_dir),
+            throughput=throughput(tokens_per_s, "tokens/s/device"),
+            mfu=mfu(tokens_per_s, flops_per_token(config, cfg.seq_len), gpu_peak_flops()),
+            peak_memory_bytes=peak,
+            model_state_bytes_per_rank=measured.get("model_states"),
+            wall_time_s=round(clock.wall(), 1),
+            world_size=world_size,
+            attention=attention,
+            backend="accelerate",
+            steps=step,
+            tokens_per_step=tokens_per_step * world_size,
+            median_step_s=round(clock.median_step(), 4),
+            model_state_bytes_measured=measured,
+            memory_plan=plan,
+            params_at_construction={"elements_on_rank0": held, "num_params": plan["num_params"]},
+            data=data.info(),
+            **exported,
+        )
+        write_json_atomic(out_dir / "summary.json", result)
+        print(f"sample: {result['sample']!r}")
+        print(
+            f"val_loss {result['val_loss']:.4f} (step 0: {result['initial_val_loss']:.4f}, ratio "
+            f"{result['val_loss_ratio']:.3f}); {tokens_per_s:.0f} tokens/s/device; "
+            f"wall {result['wall_time_s']:.0f} s; run directory {out_dir}"
+        )
+    log.close()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

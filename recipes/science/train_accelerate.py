@@ -1,0 +1,153 @@
+"""FNO-1D on Burgers' equation: BF16 + ZeRO-2 with round-robin gradients, as a plain Accelerate loop.
+
+The same training as ``train.py`` (same config, data order, model, DeepSpeed dict), written as a loop.
+``accelerate.yaml`` names ``ds_config.json``, the factory's output for the default config on 2
+processes; the script resolves its own DeepSpeed dict from the config and the launcher's world size.
+
+    # CPU, 2 processes (gloo), the tiny default
+    accelerate launch --config_file recipes/science/accelerate.yaml recipes/science/train_accelerate.py
+    # the paper's experiment on 8 GPUs
+    accelerate launch --config_file recipes/science/accelerate.yaml --num_processes 8 \\
+        recipes/science/train_accelerate.py --config recipes/science/configs/paper.yaml
+    # multi-node: on each machine
+    accelerate launch --config_file recipes/science/accelerate.yaml --num_machines 2 --machine_rank R \\
+        --main_process_ip HOST --num_processes 16 recipes/science/train_accelerate.py
+    # overrides as in train.py: key=value, resume=true, precision=fp32, data=my_pairs.npz
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from recipe_config import (  # next to this script
+    Clock,
+    build_model,
+    evaluate,
+    finish,
+    load_data,
+    lr_lambda,
+    parse_args,
+    resolve_ds_config,
+    set_threads,
+    train_loader,
+    write_run_files,
+)
+from tqdm.auto import tqdm
+
+from common.checkpoint import checkpoint_step, latest_checkpoint, publish_checkpoint, tmp_checkpoint_dir
+from common.errors import ConfigError, exit_on_user_error
+from common.rundir import MetricsLog, prepare_run_dir
+from common.strategy import accelerator_kwargs, make_optimizer
+from science.burgers import DataError
+from science.fno import relative_l2
+
+
+@exit_on_user_error(DataError)
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    clock = Clock()
+    set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    ds_config = resolve_ds_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fp16, bad keys: refused here
+    accelerator = Accelerator(**accelerator_kwargs(ds_config))
+    rank, world_size, main_process = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    out_dir = Path(cfg.out_dir)
+    if main_process and (cfg.resume or (out_dir.exists() and not cfg.overwrite)):
+        prepare_run_dir(out_dir, resume=cfg.resume)  # refuses an existing out_dir before any work
+    latest = latest_checkpoint(out_dir) if cfg.resume else None
+    if cfg.resume and latest is None:
+        raise ConfigError(f"resume=true but {out_dir}/checkpoints has no complete checkpoint")
+    start_step = checkpoint_step(latest) if latest else 0
+
+    # The main process generates (and caches) the data first; the others then read the cache.
+    with accelerator.main_process_first():
+        data = load_data(cfg, workers=cfg.data_workers if main_process else 1)
+        superres = None
+        if cfg.data == "burgers" and cfg.superres_factor > 1:  # the same test samples, 4x finer
+            superres = load_data(cfg, grid_size=cfg.grid_size * cfg.superres_factor)
+    if main_process:
+        prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
+        write_run_files(out_dir, cfg, ds_config, world_size)
+    accelerator.wait_for_everyone()
+    for key in ("x_train", "y_train", "x_test", "y_test"):
+        data[key] = data[key].to(accelerator.device)  # fp32: DeepSpeed bf16 casts the model, not the data
+    x_train, y_train = data["x_train"], data["y_train"]
+
+    net = build_model(cfg)
+    betas = (0.9, 0.999)  # the paper's Adam
+    optimizer = make_optimizer(net.parameters(), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=betas)
+    # Not prepared: a prepared scheduler steps once per *process* per optimizer step (Accelerate counts
+    # single-process steps); this one counts optimizer steps, as Lightning's does, and is saved with the state.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    accelerator.register_for_checkpointing(scheduler)
+    # The DataLoader is not prepared either: StepSampler already gives each rank its slice (exact on resume).
+    model, optimizer = accelerator.prepare(net, optimizer)
+    if latest is not None:
+        accelerator.load_state(str(latest))  # DeepSpeed shards and optimizer, the scheduler, RNG
+    loader = train_loader(len(x_train), cfg, rank, world_size, start_step)
+
+    metrics = MetricsLog(out_dir, enabled=main_process)
+    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not main_process)
+    step, losses, step_lr = start_step, [], 0.0
+    model.train()
+    for idx in loader:
+        idx = idx.to(accelerator.device)
+        with accelerator.accumulate(model):
+            step_lr = optimizer.param_groups[0]["lr"]  # the lr this step's update uses
+            loss = relative_l2(model(x_train[idx]), y_train[idx])
+            accelerator.backward(loss)  # under DeepSpeed: backward, and the engine's step at the boundary
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.detach())
+        if not accelerator.sync_gradients:  # inside a gradient-accumulation window
+            continue
+        scheduler.step()
+        step += 1
+        clock.step_done()
+        bar.update(1)
+        bar.set_postfix(rel_l2=f"{loss.item():.4f}")
+        if step % cfg.log_interval == 0 or step == cfg.max_steps:
+            mean_loss = accelerator.reduce(torch.stack(losses).mean(), reduction="mean")
+            metrics.log(step, train_rel_l2=mean_loss.item(), lr=step_lr)
+            losses.clear()
+        if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()
+            error = evaluate(model, data["x_test"], data["y_test"], rank, world_size, _reduce_sum(accelerator))
+            metrics.log(step, val_rel_l2=error)
+        if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
+            # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
+            accelerator.save_state(str(tmp_checkpoint_dir(out_dir, step)))
+            accelerator.wait_for_everyone()
+            if main_process:
+                publish_checkpoint(out_dir, step)
+            accelerator.wait_for_everyone()
+        clock.skip()
+    bar.close()
+
+    finish(
+        cfg,
+        ds_config,
+        model,
+        accelerator.unwrap_model(model),
+        data,
+        superres,
+        rank,
+        world_size,
+        _reduce_sum(accelerator),
+        clock,
+        metrics,
+        out_dir,
+        backend="accelerate",
+        steps=step,
+        resumed_from_step=start_step or None,
+    )
+    accelerator.end_training()
+
+
+def _reduce_sum(accelerator: Accelerator):
+    return lambda tensor: accelerator.reduce(tensor, reduction="sum")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""The NLP recipe as a user runs it: ``python recipes/nlp/train.py`` and ``accelerate launch ... train_accelerate.py``.
+
+Every multi-process test starts the real scripts as subprocesses with 2 CPU processes and real DeepSpeed ZeRO-3
+(gloo), on options a user has too: a small corpus folder (``data=``), a short ``seq_len``, a few ``max_steps``.
+Checked:
+- both entry points write the whole run directory with the same ``summary.json`` keys;
+- ``final/`` loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` and reproduces the trained model: its loss on
+  the validation blocks equals the ``val_loss`` the trained (sharded) model measured, within bf16 tolerance, and
+  the recipe's own logits comparison on a fixed batch passed;
+- in fp32, the per-step losses after ``resume=true`` equal the uninterrupted run's (rtol 1e-5);
+- a local model folder is loaded under ZeRO-3 already partitioned (each rank holds about half the elements
+  right after construction) and starts from the trained weights, not from a random init;
+- bad input (missing data, empty corpus, corrupt tokenizer, unknown key, existing out_dir) is one ``error:``
+  line, exit code 2, and no file created or changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _util import PYTHON, REPO, accelerate_launch, read_json, run
+
+RECIPE = REPO / "recipes" / "nlp"
+TRAIN = RECIPE / "train.py"
+TRAIN_ACCELERATE = RECIPE / "train_accelerate.py"
+SUMMARY_KEYS = {
+    "val_loss",
+    "val_perplexity",
+    "throughput",
+    "peak_memory_bytes",
+    "model_state_bytes_per_rank",
+    "wall_time_s",
+    "preset",
+    "zero_stage",
+    "world_size",
+    "attention",
+    "initial_val_loss",
+    "val_loss_ratio",
+    "mfu",
+    "export_check",
+    "sample",
+    "params_at_construction",
+}
+# Small but real: a folder of standard-library modules, short sequences, a few steps (vocab stays 4096, so the
+# embedding and output matrices are above the 1e6 persistence threshold and really sharded).
+TINY = [
+    "seq_len=64",
+    "micro_batch_size=2",
+    "max_val_tokens=2048",
+    "eval_interval=2",
+    "checkpoint_interval=2",
+    "log_interval=1",
+    "sample_tokens=8",
+    "warmup_steps=10",
+    "min_lr_ratio=1.0",
+]
+
+
+@functools.cache
+def load_recipe_config():
+    """``recipes/nlp/recipe_config.py`` under its own name (every recipe folder has a ``recipe_config``)."""
+    spec = importlib.util.spec_from_file_location("nlp_recipe_config", RECIPE / "recipe_config.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """About 400 kB of standard-library source as a folder of files: the ``data=folder`` path of the recipe."""
+    from nlp.data import stdlib_source_files
+
+    folder = tmp_path_factory.mktemp("corpus")
+    files = [f for f in stdlib_source_files() if 8_000 < f.stat().st_size < 40_000][:24]
+    for i, f in enumerate(files):
+        shutil.copy(f, folder / f"{i:02d}_{f.name}")
+    return folder
+
+
+def lightning(args: list, **kw):
+    return run([PYTHON, TRAIN, *args], timeout=600, **kw)
+
+
+def accelerate(args: list, **kw):
+    return accelerate_launch(TRAIN_ACCELERATE, [str(a) for a in args], RECIPE / "accelerate.yaml", **kw)
+
+
+def losses(out_dir: Path, key: str = "train_loss") -> dict[int, float]:
+    from common.rundir import read_metrics
+
+    return {r["step"]: r[key] for r in read_metrics(out_dir) if key in r}
+
+
+# --- fast: configs and shipped files --------------------------------------------------------------
+
+
+def test_every_shipped_config_loads_and_opens_with_launch_commands():
+    rc = load_recipe_config()
+    from common.config import load_config
+
+    names = sorted(p.name for p in (RECIPE / "configs").glob("*.yaml"))
+    assert names == ["llama_125m.yaml", "llama_1b.yaml", "llama_7b.yaml", "tiny_cpu.yaml"]
+    assert rc.DEFAULT_CONFIG.name == "tiny_cpu.yaml"
+    for name in names:
+        path = RECIPE / "configs" / name
+        cfg = load_config(rc.NLPConfig, path)
+        assert cfg.preset == "nlp"
+        header = path.read_text().split("\n\n")[0]
+        assert "python recipes/nlp/train.py" in header and "accelerate launch" in header, name
+    assert load_config(rc.NLPConfig, rc.DEFAULT_CONFIG) == rc.NLPConfig()  # the YAML states the dataclass defaults
+
+
+def test_accelerate_files_are_the_factorys_output_for_the_default_config(tmp_path):
+    rc = load_recipe_config()
+    import yaml
+
+    from common.config import load_config
+    from common.strategy import write_accelerate_files
+
+    cfg = load_config(rc.NLPConfig, rc.DEFAULT_CONFIG)
+    ds_config = rc.resolve_ds_config(cfg, 2, rc.hidden_size(cfg))
+    assert read_json(RECIPE / "ds_config.json") == ds_config
+    assert ds_config["zero_optimization"]["stage"] == 3
+    assert ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == 1_000_000
+    expected = yaml.safe_load(write_accelerate_files(ds_config, tmp_path, num_processes=2).read_text())
+    shipped = yaml.safe_load((RECIPE / "accelerate.yaml").read_text())
+    assert shipped["deepspeed_config"].pop("deepspeed_config_file") == "recipes/nlp/ds_config.json"
+    expected["deepspeed_config"].pop("deepspeed_config_file")
+    assert shipped == expected
+
+
+def test_print_config_shows_overrides():
+    proc = run([PYTHON, TRAIN, "--print-config", "max_steps=7", "model=125m"], timeout=120)
+    assert "max_steps: 7\n" in proc.stdout and "model: 125m\n" in proc.stdout
+
+
+# --- fast: bad input, one line and nothing touched -------------------------------------------------
+
+
+def _bad_inputs(tmp_path: Path, corpus: Path) -> dict[str, tuple[list[str], str]]:
+    empty = tmp_path / "empty_corpus"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    (empty / "b.txt").write_text("  \n\n")
+    corrupt = tmp_path / "corrupt_tokenizer"
+    corrupt.mkdir()
+    (corrupt / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": ')
+    (corrupt / "tokenizer_config.json").write_text("{}")
+    return {
+        "missing data": ([f"data={tmp_path / 'no_such_corpus'}"], "data not found"),
+        "empty corpus": ([f"data={empty}"], "empty corpus"),
+        "corrupt tokenizer": ([f"data={corpus}", f"tokenizer={corrupt}"], "corrupt or unreadable tokenizer"),
+        "unknown key": (["max_step=3"], "did you mean 'max_steps'"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing data", "empty corpus", "corrupt tokenizer", "unknown key"])
+def test_bad_input_is_one_error_line_and_creates_nothing(case, tmp_path, corpus):
+    args, message = _bad_inputs(tmp_path, corpus)[case]
+    out_dir = tmp_path / "run"
+    proc = lightning([f"out_dir={out_dir}", *args], check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not out_dir.exists()
+
+
+def test_existing_out_dir_is_refused_and_left_untouched(tmp_path, corpus):
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    (out_dir / "summary.json").write_text('{"val_loss": 1.0}')
+    before = (out_dir / "summary.json").stat().st_mtime_ns
+    proc = lightning([f"out_dir={out_dir}", f"data={corpus}"], check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "overwrite=true" in errors[0], proc.stderr[-2000:]
+    assert sorted(p.name for p in out_dir.iterdir()) == ["summary.json"]
+    assert (out_dir / "summary.json").stat().st_mtime_ns == before
+
+
+# --- slow: real 2-process ZeRO-3 runs -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lightning_run(tmp_path_factory, corpus):
+    out_dir = tmp_path_factory.mktemp("nlp") / "lightning"
+    proc = lightning([f"out_dir={out_dir}", f"data={corpus}", "max_steps=4", *TINY])
+    return out_dir, proc
+
+
+@pytest.fixture(scope="module")
+def accelerate_run(tmp_path_factory, corpus):
+    out_dir = tmp_path_factory.mktemp("nlp") / "accelerate"
+    proc = accelerate([f"out_dir={out_dir}", f"data={corpus}", "max_steps=4", *TINY])
+    return out_dir, proc
+
+
+def check_run_dir(out_dir: Path, backend: str) -> dict:
+    for name in ("config.yaml", "ds_config.json", "env.json", "metrics.jsonl", "summary.json", "tokenizer"):
+        assert (out_dir / name).exists(), name
+    assert any((out_dir / "tb").iterdir())
+    assert (out_dir / "checkpoints" / "latest").read_text().strip() == "step_000004"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (out_dir / "final").iterdir()}
+    ds_config = read_json(out_dir / "ds_config.json")
+    assert ds_config["zero_optimization"]["stage"] == 3
+    summary = read_json(out_dir / "summary.json")
+    assert set(summary) >= SUMMARY_KEYS, SUMMARY_KEYS - set(summary)
+    assert summary["backend"] == backend and summary["preset"] == "nlp" and summary["zero_stage"] == 3
+    assert summary["world_size"] == 2 and summary["attention"] == "sdpa" and summary["precision"] == "bf16"
+    assert summary["throughput"]["unit"] == "tokens/s/device" and summary["throughput"]["value"] > 0
+    assert summary["mfu"] is None  # no GPU, no made-up peak
+    assert summary["peak_memory_bytes"] > 0 and summary["model_state_bytes_per_rank"] > 0
+    assert math.isclose(summary["val_perplexity"], math.exp(summary["val_loss"]), rel_tol=1e-9)
+    assert summary["val_loss"] < summary["initial_val_loss"]
+    # ZeRO-3 really shards: right after construction a rank holds about half of every parameter.
+    held = summary["params_at_construction"]
+    assert 0.45 * held["num_params"] <= held["elements_on_rank0"] <= 0.55 * held["num_params"]
+    assert summary["export_check"]["ok"], summary["export_check"]
+    assert summary["sample"].startswith("    def __init__(self")
+    assert sorted(losses(out_dir)) == [1, 2, 3, 4]
+    return summary
+
+
+def check_final_loads(out_dir: Path, corpus: Path, summary: dict) -> None:
+    """Load final/ as a user does and recompute the trained model's validation loss on the same blocks."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nlp.data import build_lm_datasets
+
+    model = AutoModelForCausalLM.from_pretrained(out_dir / "final").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out_dir / "final")
+    assert model.dtype == torch.bfloat16 and len(tokenizer) == model.config.vocab_size
+    data = build_lm_datasets(corpus, tokenizer, seq_len=64, max_val_tokens=2048)
+    blocks = data.val.blocks[: len(data.val) // 2 * 2]  # what the two ranks evaluated together
+    with torch.no_grad():
+        logits = model(input_ids=blocks[:, :-1]).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), blocks[:, 1:].flatten()).item()
+    assert math.isclose(loss, summary["val_loss"], rel_tol=5e-3), (loss, summary["val_loss"])
+    check = summary["export_check"]  # the recipe's own comparison: the trained engine's logits vs the reload's
+    assert check["max_abs_logit_diff"] <= 2**-6 * max(1.0, check["max_abs_logit"]), check
+
+
+@pytest.mark.slow
+def test_lightning_run_writes_the_run_directory_and_a_loadable_final(lightning_run, corpus):
+    out_dir, proc = lightning_run
+    assert "memory plan: ZeRO-3" in proc.stdout and "memory measured" in proc.stdout
+    assert proc.stdout.index("memory plan") < proc.stdout.index("step 0: val_loss")
+    summary = check_run_dir(out_dir, "lightning")
+    check_final_loads(out_dir, corpus, summary)
+
+
+@pytest.mark.slow
+def test_accelerate_run_writes_the_same_run_directory_and_trains_the_same(accelerate_run, lightning_run, corpus):
+    out_dir, proc = accelerate_run
+    assert "memory plan: ZeRO-3" in proc.stdout
+    summary = check_run_dir(out_dir, "accelerate")
+    check_final_loads(out_dir, corpus, summary)
+    assert set(summary) == set(read_json(lightning_run[0] / "summary.json"))
+    # One factory, one init, one data order: both backends compute the same steps.
+    for key in ("train_loss", "val_loss"):
+        expected = losses(lightning_run[0], key)
+        for step, value in losses(out_dir, key).items():
+            assert math.isclose(value, expected[step], rel_tol=1e-5), (key, step, value, expected[step])
+
+
+@pytest.fixture(scope="module")
+def fp32_straight(tmp_path_factory, corpus):
+    """The uninterrupted fp32 run that resumed runs must reproduce."""
+    out_dir = tmp_path_factory.mktemp("nlp") / "straight"
+    lightning([f"out_dir={out_dir}", "max_steps=6", f"data={corpus}", "precision=fp32", "checkpoint_interval=3", *TINY])
+    return out_dir
+
+
+def check_resumed(split: Path, straight: Path) -> None:
+    expected, resumed = losses(straight), losses(split)
+    assert sorted(resumed) == list(range(1, 7))
+    for step in range(4, 7):
+        assert math.isclose(resumed[step], expected[step], rel_tol=1e-5), (step, resumed[step], expected[step])
+    assert math.isclose(losses(split, "val_loss")[6], losses(straight, "val_loss")[6], rel_tol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["lightning", "accelerate"])
+def test_fp32_resume_gives_the_uninterrupted_losses(backend, fp32_straight, tmp_path, corpus):
+    launch = lightning if backend == "lightning" else accelerate
+    split = tmp_path / "split"
+    common = [f"out_dir={split}", f"data={corpus}", "precision=fp32", "checkpoint_interval=3", *TINY]
+    launch([*common, "max_steps=3"])  # stopped after step 3; its checkpoint is checkpoints/step_000003
+    launch([*common, "max_steps=6", "resume=true"])
+    check_resumed(split, fp32_straight)  # (the Accelerate run is checked against Lightning's: same math)
+
+
+@pytest.mark.slow
+def test_pretrained_folder_loads_partitioned_and_keeps_its_weights(lightning_run, tmp_path, corpus):
+    trained, _ = lightning_run
+    out_dir = tmp_path / "continued"
+    lightning([f"out_dir={out_dir}", f"data={corpus}", f"model={trained / 'final'}", "max_steps=2", *TINY])
+    summary = read_json(out_dir / "summary.json")
+    held = summary["params_at_construction"]
+    assert 0.45 * held["num_params"] <= held["elements_on_rank0"] <= 0.55 * held["num_params"]
+    # The tokenizer came from the model folder and the weights are the trained ones: step 0 starts where the
+    # first run ended (bf16), not at the ~ln(vocab) of a random init.
+    vocab = read_json(trained / "env.json")["data"]["vocab_size"]
+    assert read_json(out_dir / "env.json")["data"]["vocab_size"] == vocab
+    assert math.isclose(summary["initial_val_loss"], read_json(trained / "summary.json")["val_loss"], rel_tol=2e-2)
+
+
+@pytest.mark.slow
+def test_accelerate_refuses_an_existing_out_dir(tmp_path, corpus):
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = accelerate([f"out_dir={out_dir}", f"data={corpus}"], check=False)
+    assert proc.returncode != 0
+    assert "error: out_dir" in proc.stderr and "overwrite=true" in proc.stderr
+    assert sorted(p.name for p in out_dir.iterdir()) == ["metrics.jsonl"]
+    assert (out_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -1,0 +1,237 @@
+"""The config linter: one failing config per rule, and no warning or error on any shipped preset or config."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common import lint
+from common.lint import LintView, lint_file, lint_run
+from common.memory import ModelFacts
+from common.presets import PRESET_NAMES
+from common.strategy import RunFacts, resolve_deepspeed_config
+
+REPO = Path(__file__).resolve().parents[2]
+EXE = shutil.which("zero-recipes")
+CURRENT = {"torch": "2.6.0", "deepspeed": "0.19.8"}  # versions no version rule fires on
+
+
+def ds(stage: int = 2, **zero) -> dict:
+    """A small valid DeepSpeed dict at ``stage`` with extra ``zero_optimization`` keys."""
+    return {
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, **zero},
+    }
+
+
+def nlp_yaml(**keys) -> dict:
+    data = yaml.safe_load((REPO / "recipes/nlp/configs/tiny_cpu.yaml").read_text())
+    data.update(keys)
+    return data
+
+
+def science_yaml(**keys) -> dict:
+    data = yaml.safe_load((REPO / "recipes/science/configs/tiny_cpu.yaml").read_text())
+    data.update(keys)
+    return data
+
+
+# rule id -> (file kind, content, lint_file keyword arguments). Each config trips exactly that rule (and maybe others).
+FAILING_FILES = {
+    "lightning-16-mixed": ("recipe:nlp", nlp_yaml(precision="16-mixed"), {}),
+    "grad-accum-in-lightning-dict": ("json", ds(2), {"backend": "lightning"}),
+    "auto-values": ("json", {**ds(2), "train_micro_batch_size_per_gpu": "auto"}, {}),
+    "round-robin-without-offload": ("json", ds(2, round_robin_gradients=True), {}),
+    "persistence-threshold": ("json", ds(3, stage3_param_persistence_threshold=10), {"hidden_size": 4096}),
+    "bucket-size": ("json", ds(2, reduce_bucket_size=5e9, allgather_bucket_size=5e8), {}),
+    "stage3-bucket-preallocated": ("json", ds(3), {"hidden_size": 256}),
+    "fp16-in-science": ("recipe:science", science_yaml(precision="fp16"), {}),
+    "stage3-full-checkpointing": ("recipe:nlp", nlp_yaml(activation_checkpointing="full"), {}),
+    "offload-order": ("json", ds(3, offload_param={"device": "cpu"}), {}),
+    "offload-stage": ("json", ds(2, offload_param={"device": "cpu"}), {}),
+    "offload-small-batch": (
+        "json",
+        {**ds(2, offload_optimizer={"device": "cpu"}), "train_micro_batch_size_per_gpu": 1},
+        {},
+    ),
+    "nvme-path": ("json", ds(3, offload_optimizer={"device": "nvme"}), {}),
+    "flash-attention-fp32": ("recipe:nlp", nlp_yaml(attention="flash_attention_2", precision="fp32"), {}),
+    "fp16-loss-scaling": (
+        "json",
+        {**ds(2), "bf16": {"enabled": False}, "fp16": {"enabled": True, "loss_scale": 128}},
+        {},
+    ),
+    "fp16-and-bf16": ("json", {**ds(2), "fp16": {"enabled": True}}, {}),
+    "optimizer-partition": ("json", {**ds(2), "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, {}),
+    "stage3-consolidate": ("json", ds(3), {}),
+    "zero-stage-missing": ("json", {"train_batch_size": 8, "bf16": {"enabled": True}}, {}),
+    "accelerate-precision-mismatch": ("accelerate", {"mixed_precision": "fp16"}, {}),
+    "torch-zero-memory-leak": ("json", ds(2), {"versions": {"torch": "1.11.0", "deepspeed": "0.19.8"}}),
+    "deepspeed-0.6-zero3-sync": ("json", ds(3), {"versions": {"torch": "2.0.1", "deepspeed": "0.6.5"}}),
+    "nccl-version": ("json", ds(2), {"versions": {**CURRENT, "nccl": "2.8.4"}}),
+}
+
+# Rules that need facts of the machine: given as views (the normalised input every rule reads).
+FAILING_VIEWS = {
+    # 7B on 8 ranks of a node with 16 GB of host RAM: offloaded optimizer states (84 GB) cannot be pinned.
+    "offload-pin-memory": LintView(
+        ds_config=ds(2, offload_optimizer={"device": "cpu", "pin_memory": True}),
+        num_params=7_000_000_000,
+        world_size=8,
+        ranks_per_node=8,
+        host_ram_bytes=16e9,
+    ),
+    # GPT-2-small shape at micro batch 16, seq 2048 on one 24 GB device: states fit, activations do not.
+    "stage3-needs-checkpointing": LintView(
+        ds_config=ds(3),
+        recipe_config={"activation_checkpointing": "none", "seq_len": 2048, "micro_batch_size": 16},
+        model=ModelFacts(
+            num_params=125_000_000,
+            architecture="transformer",
+            hidden_size=768,
+            num_layers=12,
+            num_heads=12,
+            vocab_size=32000,
+        ),
+        world_size=1,
+        device_memory_bytes=24e9,
+    ),
+}
+
+
+def write_config(tmp_path: Path, kind: str, content: dict) -> Path:
+    if kind == "json":
+        path = tmp_path / "ds_config.json"
+        path.write_text(json.dumps(content))
+    elif kind.startswith("recipe:"):
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(content))
+    else:  # accelerate: a YAML pointing at a bf16 DeepSpeed JSON next to it
+        (tmp_path / "ds.json").write_text(json.dumps(ds(2)))
+        path = tmp_path / "accelerate.yaml"
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "compute_environment": "LOCAL_MACHINE",
+                    "distributed_type": "DEEPSPEED",
+                    "deepspeed_config": {"deepspeed_config_file": str(tmp_path / "ds.json")},
+                    "num_processes": 2,
+                    **content,
+                }
+            )
+        )
+    return path
+
+
+def test_every_rule_has_a_failing_config():
+    assert set(FAILING_FILES) | set(FAILING_VIEWS) == set(lint.RULES)
+
+
+@pytest.mark.parametrize("rule_id", sorted(FAILING_FILES))
+def test_failing_config_trips_its_rule(rule_id, tmp_path):
+    kind, content, kwargs = FAILING_FILES[rule_id]
+    path = write_config(tmp_path, kind, content)
+    recipe = kind.split(":")[1] if kind.startswith("recipe:") else None
+    findings = lint_file(path, recipe=recipe, **{"versions": CURRENT, **kwargs})
+    hits = [f for f in findings if f.rule_id == rule_id]
+    assert hits, f"{rule_id} did not fire: {[f.rule_id for f in findings]}"
+    for finding in hits:
+        assert finding.severity in lint.SEVERITIES and finding.message and finding.fix
+
+
+@pytest.mark.parametrize("rule_id", sorted(FAILING_VIEWS))
+def test_failing_view_trips_its_rule(rule_id):
+    findings = lint.run_rules(FAILING_VIEWS[rule_id])
+    assert rule_id in [f.rule_id for f in findings]
+
+
+def test_bucket_size_respects_the_presets_scaling():
+    small_model = LintView(
+        ds_config=ds(2, reduce_bucket_size=2_097_152, allgather_bucket_size=2_097_152),
+        hidden_size=256,
+        source_kind="deepspeed",
+    )
+    assert lint.rule_bucket_size(small_model) == []  # 32 x 256^2: what the presets give a 256-wide model
+    big_model = LintView(ds_config=ds(2, reduce_bucket_size=2e7, allgather_bucket_size=2e7), hidden_size=4096)
+    assert [f.severity for f in lint.rule_bucket_size(big_model)] == ["warning"]
+    unknown = LintView(ds_config=ds(2, reduce_bucket_size=2e7), source_kind="deepspeed")
+    assert [f.severity for f in lint.rule_bucket_size(unknown)] == ["info"]
+
+
+def test_auto_under_accelerate_is_only_an_error_for_keys_it_does_not_fill():
+    filled = LintView(ds_config={**ds(2), "train_micro_batch_size_per_gpu": "auto"}, backend="accelerate")
+    assert [f.severity for f in lint.rule_auto_values(filled)] == ["info"]
+    unfilled = LintView(ds_config=ds(2, sub_group_size="auto"), backend="accelerate")
+    assert [f.severity for f in lint.rule_auto_values(unfilled)] == ["error"]
+    assert lint.rule_auto_values(LintView(ds_config=ds(2, sub_group_size="auto"), backend="hf_trainer")) == []
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+@pytest.mark.parametrize("hidden_size", [None, 64, 256, 4096, 8192])
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_no_warning_or_error_on_any_shipped_preset(preset, hidden_size, world_size):
+    facts = RunFacts(world_size=world_size, micro_batch_size=4, hidden_size=hidden_size, nvme_path="/local/nvme")
+    findings = lint_run(resolve_deepspeed_config(preset, facts), {"preset": preset}, versions=CURRENT)
+    assert lint.actionable(findings) == [], [lint.format_finding(f) for f in findings]
+
+
+def shipped_configs() -> list[Path]:
+    patterns = (
+        "recipes/*/configs/*.yaml",
+        "recipes/*/ds_config.json",
+        "recipes/*/accelerate.yaml",
+        "recipes/launch/*.yaml",
+        "tests/golden/*.json",
+    )
+    return sorted(p for pattern in patterns for p in REPO.glob(pattern))
+
+
+@pytest.mark.parametrize("path", shipped_configs(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_warning_or_error_on_any_shipped_config(path, monkeypatch):
+    monkeypatch.chdir(REPO)  # accelerate.yaml names its JSON relative to the repository root
+    findings = lint_file(path, versions=CURRENT)
+    assert lint.actionable(findings) == [], [lint.format_finding(f) for f in findings]
+
+
+def test_lint_run_and_print_findings(capsys):
+    findings = lint_run(
+        ds(3, stage3_param_persistence_threshold=10),
+        {"activation_checkpointing": "full"},
+        hidden_size=1024,
+        versions=CURRENT,
+    )
+    ids = {f.rule_id for f in findings}
+    assert {"persistence-threshold", "stage3-full-checkpointing"} <= ids
+    lint.print_findings(findings)
+    err = capsys.readouterr().err
+    assert "warning [persistence-threshold]" in err and "fix:" in err
+    lint.print_findings([])
+    assert "no findings" in capsys.readouterr().err
+
+
+def cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    assert EXE, "zero-recipes is not installed: pip install -e ."
+    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=180, cwd=cwd)
+
+
+def test_cli_exit_codes_and_json(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**ds(2), "fp16": {"enabled": True}}))
+    out = cli("lint", str(bad))
+    assert out.returncode == 1 and "[fp16-and-bf16]" in out.stdout
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(resolve_deepspeed_config("deepspeed_stage_2", RunFacts(world_size=2, hidden_size=512))))
+    out = cli("lint", str(good), "--hidden-size", "512")
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads(cli("lint", str(bad), "--json").stdout)
+    assert data["errors"] >= 1 and {"rule_id", "severity", "message", "fix"} <= set(data["findings"][0])
+    out = cli("lint", str(tmp_path / "missing.json"))
+    assert out.returncode == 2 and out.stderr.startswith("error:")

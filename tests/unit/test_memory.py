@@ -1,0 +1,213 @@
+"""The memory planner: guide 1's table exactly, DeepSpeed's own estimators, Korthikanti's activations, buffers."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from common import memory
+from common.memory import GB, ModelFacts, PlanInputs
+
+EXE = shutil.which("zero-recipes")
+
+# Guide 1, 2.2: 7B parameters, mixed-precision Adam, 8 GPUs.
+GUIDE_TABLE_GB = {0: 112.0, 1: 38.5, 2: 26.25, 3: 14.0}
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    assert EXE, "zero-recipes is not installed: pip install -e ."
+    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=180)
+
+
+def test_guide_table_exactly():
+    result = memory.plan(memory.assumed_transformer(7_000_000_000), PlanInputs(gpus_per_node=8))
+    rows = {r.stage: r for r in result.rows if r.offload == "none"}
+    for stage, gb in GUIDE_TABLE_GB.items():
+        assert rows[stage].model_states_bytes == gb * GB, (stage, rows[stage].model_states_bytes)
+
+
+def test_guide_table_through_the_cli_text_and_json():
+    out = cli("estimate", "--params", "7e9", "--gpus", "8", "--gpu-memory", "80GB")
+    assert out.returncode == 0, out.stderr
+    lines = {
+        line.split()[0]: line for line in out.stdout.splitlines() if line[:5].strip() in "0123" and " none " in line
+    }
+    for stage, gb in GUIDE_TABLE_GB.items():
+        assert f"{gb:.2f} GB" in lines[str(stage)], lines[str(stage)]
+    assert "recommended:" in out.stdout
+
+    data = json.loads(cli("estimate", "--params", "7e9", "--gpus", "8", "--gpu-memory", "80GB", "--json").stdout)
+    by_key = {(r["stage"], r["offload"]): r for r in data["rows"]}
+    for stage, gb in GUIDE_TABLE_GB.items():
+        assert by_key[(stage, "none")]["model_states_bytes"] == gb * GB
+    for key in (
+        "stage",
+        "offload",
+        "model_states_bytes",
+        "deepspeed_estimate_bytes",
+        "activations_bytes",
+        "buffers_bytes",
+        "host_ram_per_node_bytes",
+        "fits",
+    ):
+        assert key in data["rows"][0]
+    assert data["recommendation"]["stage"] in (0, 1, 2, 3)
+
+
+def _deepspeed_estimators():
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed announces its accelerator on import
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    return estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
+
+
+@pytest.mark.parametrize("total_params", [5_300_000, 125_000_000, 7_000_000_000, 70_000_000_000])
+@pytest.mark.parametrize(("gpus", "nodes"), [(1, 1), (8, 1), (8, 4), (2, 3)])
+def test_agrees_with_deepspeeds_estimators(total_params, gpus, nodes):
+    zero2, zero3 = _deepspeed_estimators()
+    largest = total_params // 50
+    for offload, cpu_offload in (("none", False), ("optimizer", True)):
+        cpu, gpu = zero2(total_params, num_gpus_per_node=gpus, num_nodes=nodes, cpu_offload=cpu_offload)
+        assert memory.deepspeed_estimate(total_params, largest, 2, offload, gpus, nodes) == (gpu, cpu)
+    for offload, cpu_offload, offload_params in (
+        ("none", False, False),
+        ("optimizer", True, False),
+        ("params", True, True),
+    ):
+        cpu, gpu, _ = zero3(
+            total_params,
+            largest,
+            num_gpus_per_node=gpus,
+            num_nodes=nodes,
+            cpu_offload=cpu_offload,
+            cpu_offload_params=offload_params,
+        )
+        assert memory.deepspeed_estimate(total_params, largest, 3, offload, gpus, nodes) == (gpu, cpu)
+
+
+def test_plan_rows_carry_deepspeeds_numbers():
+    zero2, zero3 = _deepspeed_estimators()
+    facts = memory.assumed_transformer(7_000_000_000)
+    rows = {(r.stage, r.offload): r for r in memory.plan(facts, PlanInputs(gpus_per_node=8)).rows}
+    k, largest = facts.num_params, facts.largest_layer_params
+    assert rows[(2, "none")].deepspeed_estimate_bytes == zero2(k, 8, 1, cpu_offload=False)[1]
+    assert rows[(2, "optimizer")].deepspeed_estimate_bytes == zero2(k, 8, 1, cpu_offload=True)[1]
+    assert rows[(3, "none")].deepspeed_estimate_bytes == zero3(k, largest, 8, 1, False, False)[1]
+    assert rows[(3, "params")].deepspeed_estimate_bytes == zero3(k, largest, 8, 1, True, True)[1]
+    assert rows[(0, "none")].deepspeed_estimate_bytes is None  # DeepSpeed has no stage-0/1 estimator
+    assert rows[(1, "none")].deepspeed_estimate_bytes is None
+
+
+def test_korthikanti_per_layer_formula():
+    # Llama-2-7B shape: s 2048, b 1, h 4096, a 32 -> s*b*h*(34 + 5*a*s/h) = 8,388,608 x 114 bytes per layer.
+    one_layer = ModelFacts(num_params=1, architecture="transformer", hidden_size=4096, num_layers=1, num_heads=32)
+    assert memory.transformer_activations(one_layer, 2048, 1, "none") == 2048 * 4096 * 114
+    assert memory.transformer_activations(one_layer, 2048, 1, "selective") == 2048 * 4096 * 34
+    layers = ModelFacts(num_params=1, architecture="transformer", hidden_size=4096, num_layers=32, num_heads=32)
+    none = memory.transformer_activations(layers, 2048, 1, "none")
+    full = memory.transformer_activations(layers, 2048, 1, "full")
+    assert none == 32 * 2048 * 4096 * 114
+    assert full == 32 * 2 * 2048 * 4096 + 2048 * 4096 * 114  # inputs kept + one layer recomputed
+    assert memory.transformer_activations(layers, 2048, 2, "none") == 2 * none  # linear in the micro batch
+    assert (
+        full
+        < memory.transformer_activations(layers, 2048, 1, "save_memory_optimized")
+        < memory.transformer_activations(layers, 2048, 1, "every_k")
+        < none
+    )
+    fno = ModelFacts(num_params=500_000, architecture="FNO1d")
+    assert memory.transformer_activations(fno, 256, 10, "none") is None  # not a transformer: not estimated
+
+
+def test_buffers_follow_deepspeed_and_the_measured_stage3_bucket():
+    # DeepSpeed's docs: overlap_comm uses 4.5 x the buckets: 5e8 x 2 B x 2 buckets x 4.5 = 9 GB.
+    zero2 = {"overlap_comm": True, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
+    assert memory.buffer_bytes(2, zero2, "bf16", 0, int(5e8)) == 9e9
+    # Measured here (DESIGN.md): stage 3 preallocates reduce_bucket_size elements: 5e8 -> 1 GB, 5e7 -> 100 MB.
+    for bucket, preallocated in ((5e8, 1e9), (5e7, 1e8)):
+        zero3 = {"reduce_bucket_size": bucket, "stage3_prefetch_bucket_size": 0}
+        assert memory.buffer_bytes(3, zero3, "bf16", 0, int(bucket)) == preallocated
+
+
+def test_ladder_recommendation_climbs_with_less_memory():
+    facts = memory.assumed_transformer(7_000_000_000)
+
+    def rec(device_gb: float, host_gb: float | None = None) -> dict:
+        inputs = PlanInputs(
+            gpus_per_node=8, device_memory_bytes=device_gb * GB, host_memory_bytes=host_gb * GB if host_gb else None
+        )
+        return memory.plan(facts, inputs).recommendation
+
+    assert rec(400)["stage"] == 0
+    assert (rec(80)["stage"], rec(80)["activation_checkpointing"]) == (2, "none")
+    assert (rec(24)["stage"], rec(24)["offload"], rec(24)["activation_checkpointing"]) == (3, "none", "full")
+    low = rec(8, host_gb=2000)
+    assert low["offload"] in ("optimizer", "params") and "offload" in low["reason"]
+    assert rec(8, host_gb=10)["stage"] is None  # the host cannot hold the offloaded states either
+    assert "stage 0 needs" in rec(80)["reason"]
+
+
+def test_offload_moves_states_to_the_host():
+    facts = ModelFacts(num_params=1_000_000_000)
+    on_device, host = memory.guide_model_states(facts, 2, "optimizer", 8)
+    assert on_device == 2e9 + 2e9 / 8 and host == 12e9 / 8
+    on_device, host = memory.guide_model_states(facts, 3, "params", 8)
+    assert on_device == 0 and host == 16e9 / 8
+
+
+def test_lora_shrinks_model_states():
+    facts = memory.assumed_transformer(7_000_000_000)
+    full, _ = memory.guide_model_states(facts, 2, "none", 8)
+    lora, _ = memory.guide_model_states(facts, 2, "none", 8, lora_rank=16)
+    adapters = memory.lora_params(facts, 16)
+    # The frozen base keeps only its 2-byte copy (replicated below stage 3); the adapters follow 2K + 14K/N.
+    assert lora == pytest.approx(2 * facts.num_params + 2 * adapters + 14 * adapters / 8)
+    assert lora < full
+    lora3, _ = memory.guide_model_states(facts, 3, "none", 8, lora_rank=16)
+    assert lora3 == pytest.approx((2 * facts.num_params + 16 * adapters) / 8)
+
+
+def test_model_config_counts_parameters_exactly(tmp_path):
+    from transformers import LlamaConfig
+
+    from nlp.model import LLAMA_SIZES, llama_param_count
+
+    config = LlamaConfig(**LLAMA_SIZES["tiny"])
+    config.save_pretrained(tmp_path)
+    facts = memory.facts_from_hf_config(tmp_path / "config.json")
+    assert facts.num_params == llama_param_count(config)
+    assert (facts.hidden_size, facts.num_layers, facts.num_heads) == (256, 4, 4)
+    assert facts.largest_layer_params == 4096 * 256  # the embedding, as DeepSpeed's model_to_params counts it
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("80GB", 80e9), ("80GiB", 80 * 2**30), ("141e9", 141e9), ("24 GB", 24e9), ("512MB", 512e6)]
+)
+def test_parse_bytes(text, expected):
+    assert memory.parse_bytes(text) == expected
+
+
+def test_parse_count():
+    assert memory.parse_count("7e9") == memory.parse_count("7B") == 7_000_000_000
+    assert memory.parse_count("125M") == 125_000_000
+
+
+def test_bad_input_is_one_line_exit_2():
+    out = cli("estimate", "--params", "seven")
+    assert out.returncode == 2 and out.stderr.startswith("error:") and len(out.stderr.strip().splitlines()) == 1
+    out = cli("estimate", "--params", "7e9", "--gpu-memory", "lots")
+    assert out.returncode == 2 and "memory size" in out.stderr
+
+
+def test_recipe_input_reads_the_recipe_and_labels_the_device():
+    out = cli("estimate", "--recipe", "nlp", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["model"]["architecture"] == "transformer" and data["model"]["hidden_size"] == 256
+    assert data["inputs"]["seq_len"] == 256 and data["inputs"]["micro_batch_size"] == 4
+    assert data["inputs"]["device_memory_label"]  # "local GPU: ..." or "no GPU: host RAM ..."
