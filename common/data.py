@@ -30,8 +30,17 @@ class StepSampler(torch.utils.data.Sampler[int]):
         max_steps: last optimizer step (exclusive).
     """
 
-    def __init__(self, num_samples: int, micro_batch_size: int, grad_accum: int, rank: int, world_size: int,
-                 seed: int, start_step: int, max_steps: int) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        micro_batch_size: int,
+        grad_accum: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        start_step: int,
+        max_steps: int,
+    ) -> None:
         if num_samples < micro_batch_size * world_size:
             raise ValueError(
                 f"dataset has {num_samples} samples, fewer than one global micro-batch "
