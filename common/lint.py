@@ -1209,3 +1209,28 @@ def cmd_lint(args: Any) -> int:
     else:
         print_findings(findings, file=sys.stdout, prefix=f"{args.config}: ")
     return 1 if has_errors(findings) else 0
+
+
+def lint_at_start(
+    ds_config: dict[str, Any],
+    recipe_config: dict[str, Any],
+    hidden_size: int | None = None,
+    world_size: int | None = None,
+) -> list[Finding]:
+    """What every recipe calls when it has resolved its DeepSpeed dict: lint, print, refuse on errors.
+
+    Findings are printed by the launcher's rank 0 only (every rank lints, so every rank refuses alike).
+
+    Raises:
+        ConfigError: when a rule reports an error.
+    """
+    from common.errors import ConfigError
+    from common.rundir import is_launcher_rank_zero
+
+    findings = lint_run(ds_config, recipe_config, hidden_size=hidden_size, world_size=world_size)
+    if is_launcher_rank_zero():
+        print_findings(findings)
+    if has_errors(findings):
+        first = next(f for f in findings if f.severity == "error")
+        raise ConfigError(f"config linter: [{first.rule_id}] {first.message} (fix: {first.fix})")
+    return findings

@@ -260,7 +260,13 @@ def resolve_ds_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict
         hidden_size=hidden_size,
         gradient_clipping=cfg.gradient_clipping,
     )
-    return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
+    ds_config = resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
+    # The guides' pitfalls, checked before any work (printed on rank 0; errors refuse the run).
+    from common.config import config_to_dict
+    from common.lint import lint_at_start
+
+    lint_at_start(ds_config, config_to_dict(cfg), hidden_size=hidden_size, world_size=world_size)
+    return ds_config
 
 
 def build_model(cfg: NLPConfig, config: Any, attention: str) -> Any:
@@ -440,11 +446,13 @@ def final_export(
     trained_logits: torch.Tensor,
     cfg: NLPConfig,
     attention: str,
+    device: torch.device,
 ) -> dict[str, Any]:
     """Rank 0: write ``final/`` (Hugging Face format), reload it, compare logits, and generate the sample.
 
     The reload is what a user does with the export (``AutoModelForCausalLM.from_pretrained``), so the check
-    proves the consolidated weights are the trained ones; the sample comes from the reloaded copy too.
+    proves the consolidated weights are the trained ones; the sample comes from the reloaded copy too (on
+    rank 0's device: a 7B model would take minutes to generate on a CPU).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -458,9 +466,9 @@ def final_export(
     reloaded = AutoModelForCausalLM.from_pretrained(
         str(final), local_files_only=True, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code
     )
-    reloaded.eval()
+    reloaded.to(device).eval()
     with torch.no_grad():
-        logits = reloaded(input_ids=fixed_batch[:, :-1], use_cache=False).logits.float()
+        logits = reloaded(input_ids=fixed_batch[:, :-1].to(device), use_cache=False).logits.float().cpu()
     scale = trained_logits.abs().max().item()
     check = {
         "batch": list(fixed_batch[:, :-1].shape),

@@ -154,7 +154,13 @@ def resolve_ds_config(cfg: ScienceConfig, world_size: int) -> dict[str, Any]:
     )
     from common.config import parse_overrides
 
-    return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
+    ds_config = resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
+    # The guides' pitfalls, checked before any work (printed on rank 0; errors refuse the run).
+    from common.config import config_to_dict
+    from common.lint import lint_at_start
+
+    lint_at_start(ds_config, config_to_dict(cfg), hidden_size=cfg.width, world_size=world_size)
+    return ds_config
 
 
 def set_threads(local_processes: int) -> None:
