@@ -186,7 +186,15 @@ class CausalLM(L.LightningModule):
         peak = int(all_reduce(torch.tensor(float(peak_memory_bytes()), device=self.device), "max").item())
         if rank == 0:
             exported = final_export(
-                self.model, state, self.run["data"].tokenizer, out_dir, fixed.cpu(), logits, cfg, self.run["attention"]
+                self.model,
+                state,
+                self.run["data"].tokenizer,
+                out_dir,
+                fixed.cpu(),
+                logits,
+                cfg,
+                self.run["attention"],
+                self.device,
             )
             self.facts["summary"] = self.summary(peak, exported)
         self.log_file.close()

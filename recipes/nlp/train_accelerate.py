@@ -200,7 +200,7 @@ def main() -> None:
     state = gather_full_state_dict(engine.module, rank)
     peak = int(all_reduce(torch.tensor(float(peak_memory_bytes()), device=device), "max").item())
     if main_process:
-        exported = final_export(engine.module, state, data.tokenizer, out_dir, fixed, logits, cfg, attention)
+        exported = final_export(engine.module, state, data.tokenizer, out_dir, fixed, logits, cfg, attention, device)
         tokens_per_s = tokens_per_step / clock.median_step()
         measured = facts.get("model_state_bytes", {})
         result = summary(
