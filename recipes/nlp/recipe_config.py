@@ -32,6 +32,20 @@ TOKENIZER_DIR = "tokenizer"  # where a run keeps the tokenizer it trained (resum
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
+# A tiny few-step run a user can type too; `zero-recipes cp`'s generated smoke test uses it.
+SMOKE_OVERRIDES: list[str] = [
+    "max_steps=4",
+    "seq_len=64",
+    "micro_batch_size=2",
+    "max_train_tokens=20000",
+    "max_val_tokens=2048",
+    "eval_interval=2",
+    "checkpoint_interval=4",
+    "log_interval=1",
+    "sample_tokens=8",
+]
+
+
 @dataclass
 class NLPConfig:
     """Every key of the NLP recipe; ``configs/*.yaml`` and ``key=value`` overrides set them."""

@@ -37,6 +37,24 @@ POSITIVE_KEYS = ("max_steps", "num_nodes", "micro_batch_size", "grad_accum", "mo
 # fmt: on
 
 
+# A tiny few-step run a user can type too; `zero-recipes cp`'s generated smoke test uses it.
+SMOKE_OVERRIDES: list[str] = [
+    "max_steps=8",
+    "n_train=40",
+    "n_test=8",
+    "grid_size=64",
+    "solve_grid=256",
+    "modes=8",
+    "width=16",
+    "n_layers=2",
+    "proj_width=32",
+    "micro_batch_size=4",
+    "data_workers=1",
+    "eval_interval=4",
+    "checkpoint_interval=8",
+]
+
+
 @dataclass
 class ScienceConfig:
     """Every key of the science recipe; ``configs/*.yaml`` and ``key=value`` overrides set them."""
