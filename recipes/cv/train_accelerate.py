@@ -1,0 +1,152 @@
+"""Swin image classifier with ZeRO-2 (the cv preset), as a plain Accelerate loop.
+
+The same training as ``train.py`` (same config, data order, model, DeepSpeed dict, run files), written as a
+loop. ``accelerate.yaml`` names ``ds_config.json``, the factory's output for the default config on 2
+processes; the script resolves its own DeepSpeed dict from the config and the launcher's world size.
+
+    # CPU, 2 processes (gloo), the tiny default: digits, ~3 min
+    accelerate launch --config_file recipes/cv/accelerate.yaml recipes/cv/train_accelerate.py
+    # Swin-T at 224 px on your images, 8 GPUs
+    accelerate launch --config_file recipes/cv/accelerate.yaml --num_processes 8 \\
+        recipes/cv/train_accelerate.py --config recipes/cv/configs/swin_tiny.yaml data=my_images/
+    # multi-node: on each machine
+    accelerate launch --config_file recipes/cv/accelerate.yaml --num_machines 2 --machine_rank R \\
+        --main_process_ip HOST --num_processes 16 recipes/cv/train_accelerate.py
+    # overrides as in train.py: key=value, resume=true, precision=fp32, model=path/to/hf_folder
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from recipe_config import (  # next to this script
+    Clock,
+    all_reduce,
+    build_model,
+    check_out_dir,
+    classification_loss,
+    evaluate,
+    finish,
+    load_data,
+    lr_lambda,
+    param_groups,
+    parse_args,
+    resolve_ds_config,
+    resume_point,
+    seed_micro_batch,
+    set_threads,
+    step_lr,
+    train_loader,
+    write_run_files,
+)
+from tqdm.auto import tqdm
+
+from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.errors import exit_on_user_error
+from common.rundir import MetricsLog, prepare_run_dir
+from common.strategy import accelerator_kwargs, make_optimizer
+from cv.data import DataError
+from cv.model import ModelError
+
+
+@exit_on_user_error(DataError, ModelError)
+def main() -> None:
+    cfg = parse_args()
+    clock = Clock()
+    set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    out_dir, main_process = Path(cfg.out_dir), int(os.environ.get("RANK", 0)) == 0
+    if main_process:
+        check_out_dir(cfg)  # refuses an existing out_dir before any work
+    latest, start_step = resume_point(cfg)
+    ds_config = resolve_ds_config(cfg, world_size)  # bad preset or DeepSpeed key: refused before any work
+    data = load_data(cfg, world_size)  # empty folder, corrupt image, too few images: refused here
+    model = build_model(cfg, data)  # class-count or image-size mismatch with model=: refused here
+
+    accelerator = Accelerator(**accelerator_kwargs(ds_config))
+    rank, device = accelerator.process_index, accelerator.device
+    if accelerator.is_main_process:
+        prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
+        write_run_files(cfg, out_dir, ds_config, data, world_size, device.type)
+    accelerator.wait_for_everyone()
+
+    optimizer = make_optimizer(
+        param_groups(model, cfg.weight_decay), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999)
+    )
+    # Not prepared: a prepared scheduler steps once per *process* per optimizer step (Accelerate counts
+    # single-process steps); this one counts optimizer steps, as Lightning's does, and is saved with the state.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    accelerator.register_for_checkpointing(scheduler)
+    # The DataLoader is not prepared either: StepSampler already gives each rank its slice (exact on resume).
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    if latest is not None:
+        accelerator.load_state(str(latest))  # DeepSpeed shards and optimizer, the scheduler
+    loader = train_loader(data, cfg, rank, world_size, start_step)
+    net = accelerator.unwrap_model(engine)
+
+    metrics = MetricsLog(out_dir, enabled=accelerator.is_main_process)
+    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not accelerator.is_main_process)
+    step, micro_losses, step_losses = start_step, [], []
+    engine.train()
+    clock.skip()
+    for pixels, labels in loader:
+        pixels, labels = pixels.to(device), labels.to(device)
+        seed_micro_batch(cfg, step * cfg.grad_accum + len(micro_losses), rank)  # stochastic depth, as in train.py
+        with accelerator.accumulate(engine):
+            loss = classification_loss(engine, pixels, labels, cfg.label_smoothing)  # bf16 pixels, fp32 loss
+            accelerator.backward(loss)  # under DeepSpeed: backward, and the engine's step at the boundary
+            optimizer.step()
+            optimizer.zero_grad()
+        micro_losses.append(loss.detach())
+        if not accelerator.sync_gradients:  # inside a gradient-accumulation window
+            continue
+        scheduler.step()
+        step += 1
+        clock.step_done()
+        step_losses.append(torch.stack(micro_losses).mean())
+        micro_losses.clear()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+        if step % cfg.log_interval == 0 or step == cfg.max_steps:
+            losses = all_reduce(torch.stack(step_losses)) / world_size
+            for offset, value in enumerate(losses.tolist()):  # one record per optimizer step
+                at = step - len(losses) + 1 + offset
+                metrics.log(at, train_loss=value, lr=step_lr(cfg, at))
+            step_losses.clear()
+        if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()
+            result = evaluate(net, data, cfg, rank, world_size, device)
+            metrics.log(step, val_loss=result["val_loss"], val_accuracy=result["val_accuracy"], elapsed_s=clock.wall())
+            bar.write(f"step {step}: val_accuracy {result['val_accuracy']:.4f} ({clock.wall():.0f} s)")
+        if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
+            # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
+            accelerator.save_state(str(tmp_checkpoint_dir(out_dir, step)))
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                publish_checkpoint(out_dir, step)
+            accelerator.wait_for_everyone()
+        clock.skip()
+    bar.close()
+
+    finish(
+        cfg,
+        ds_config,
+        engine,
+        net,
+        data,
+        rank,
+        world_size,
+        device,
+        clock,
+        metrics,
+        backend="accelerate",
+        steps=step,
+        resumed_from_step=start_step or None,
+    )
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
