@@ -2,7 +2,7 @@
 
 Launch, from the repository root:
 
-    python recipes/cv/train.py                                                   # CPU: 2 processes, ~3 min
+    python recipes/cv/train.py                                                   # CPU: 2 processes, ~2 min
     python recipes/cv/train.py devices=1                                         # 1 GPU (or 1 CPU process)
     python recipes/cv/train.py --config recipes/cv/configs/swin_tiny.yaml data=my_images/ devices=8   # 8 GPUs
     # multi-node: the same command on every node, with num_nodes=N and MASTER_ADDR, MASTER_PORT, NODE_RANK set

@@ -4,7 +4,7 @@ The same training as ``train.py`` (same config, data order, model, DeepSpeed dic
 loop. ``accelerate.yaml`` names ``ds_config.json``, the factory's output for the default config on 2
 processes; the script resolves its own DeepSpeed dict from the config and the launcher's world size.
 
-    # CPU, 2 processes (gloo), the tiny default: digits, ~3 min
+    # CPU, 2 processes (gloo), the tiny default: digits, ~1.5 min
     accelerate launch --config_file recipes/cv/accelerate.yaml recipes/cv/train_accelerate.py
     # Swin-T at 224 px on your images, 8 GPUs
     accelerate launch --config_file recipes/cv/accelerate.yaml --num_processes 8 \\

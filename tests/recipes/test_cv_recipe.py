@@ -250,28 +250,43 @@ def final_logits(out_dir: Path) -> torch.Tensor:
         return load_final(out_dir)(pixel_values=pixels).logits
 
 
+def crash_after(out_dir: Path, copy: Path, step: int) -> Path:
+    """A copy of a finished run as a crash right after the step-``step`` checkpoint would leave it."""
+    import shutil
+
+    shutil.copytree(out_dir, copy)
+    for later in (copy / "checkpoints").glob("step_*"):
+        if int(later.name.removeprefix("step_")) > step:
+            shutil.rmtree(later)
+    (copy / "checkpoints" / "latest").write_text(f"step_{step:06d}\n")
+    return copy
+
+
 @pytest.mark.slow
 def test_fp32_resume_reproduces_the_uninterrupted_run_on_both_backends(tmp_path):
-    # Warmup then a constant lr, so that a first segment that stops at step 4 follows the same schedule.
-    fp32 = {"precision": "fp32", "min_lr_ratio": 1.0, "checkpoint_interval": 4, "eval_interval": 100}
-    whole = tmp_path / "whole"
-    launch("lightning", overrides(whole, max_steps=8, **fp32))
-    check_run_directory(whole, "lightning", max_steps=8, precision="fp32")
-    reference = train_losses(whole)
+    fp32 = {"precision": "fp32", "max_steps": 8, "checkpoint_interval": 4, "eval_interval": 100}
+    whole = {}
+    for backend in ("lightning", "accelerate"):
+        whole[backend] = tmp_path / f"whole-{backend}"
+        launch(backend, overrides(whole[backend], **fp32))
+        check_run_directory(whole[backend], backend, max_steps=8, precision="fp32")
+    reference = train_losses(whole["lightning"])
     assert [step for step, _, _ in reference] == list(range(1, 9))
-    check_export_is_the_checkpoint(whole, step=8)
+    # The same training on both backends: same data order, initial weights, DeepSpeed dict and dropped blocks.
+    other = train_losses(whole["accelerate"])
+    assert [loss for _, loss, _ in other] == pytest.approx([loss for _, loss, _ in reference], rel=1e-6)
+    check_export_is_the_checkpoint(whole["lightning"], step=8)
 
     for backend in ("lightning", "accelerate"):
-        split = tmp_path / f"split-{backend}"
-        launch(backend, overrides(split, max_steps=4, **fp32))
-        launch(backend, overrides(split, max_steps=8, resume="true", **fp32))
-        resumed = train_losses(split)
-        assert [step for step, _, _ in resumed] == list(range(1, 9)), backend
-        for (step, loss, lr), (_, expected, expected_lr) in zip(resumed, reference):
+        split = crash_after(whole[backend], tmp_path / f"split-{backend}", step=4)
+        launch(backend, overrides(split, resume="true", **fp32))
+        resumed = train_losses(split)[-4:]  # the records the resumed run appended
+        assert [step for step, _, _ in resumed] == [5, 6, 7, 8], backend
+        for (step, loss, lr), (_, expected, expected_lr) in zip(resumed, reference[4:]):
             assert loss == pytest.approx(expected, rel=1e-6), (backend, step)
             assert lr == pytest.approx(expected_lr, rel=1e-12), (backend, step)
         assert read_json(split / "summary.json")["resumed_from_step"] == 4
-        assert torch.equal(final_logits(split), final_logits(whole)), backend  # the same weights at the end
+        assert torch.equal(final_logits(split), final_logits(whole[backend])), backend  # the same final weights
 
 
 def check_export_is_the_checkpoint(out_dir: Path, step: int) -> None:

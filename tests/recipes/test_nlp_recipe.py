@@ -7,7 +7,8 @@ Checked:
 - ``final/`` loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` and reproduces the trained model: its loss on
   the validation blocks equals the ``val_loss`` the trained (sharded) model measured, within bf16 tolerance, and
   the recipe's own logits comparison on a fixed batch passed;
-- in fp32, the per-step losses after ``resume=true`` equal the uninterrupted run's (rtol 1e-5);
+- both backends compute the same per-step losses (bf16, rtol 1e-5: one factory, one init, one data order);
+- in fp32, the per-step losses after ``resume=true`` equal the uninterrupted run's (rtol 1e-5), on both backends;
 - a local model folder is loaded under ZeRO-3 already partitioned (each rank holds about half the elements
   right after construction) and starts from the trained weights, not from a random init;
 - bad input (missing data, empty corpus, corrupt tokenizer, unknown key, existing out_dir) is one ``error:``
