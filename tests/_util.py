@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,14 +34,27 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 def run(args: list[str], timeout: float = 600, cwd: Path | None = None, check: bool = True, **env: str):
     """Run a command, return the CompletedProcess; on failure show the tail of its output."""
-    proc = subprocess.run(
+    # A session of its own, so that a timeout kills the launcher *and* the ranks it spawned: a rank left
+    # waiting in a collective would otherwise hold its port and cores for the rest of the suite.
+    with subprocess.Popen(
         [str(a) for a in args],
         cwd=cwd or REPO,
         env=subprocess_env(**env),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-    )
+        start_new_session=True,
+    ) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            command = " ".join(map(str, args))
+            raise AssertionError(
+                f"command timed out after {timeout:.0f} s: {command}\n{stdout[-3000:]}\n{stderr[-6000:]}"
+            ) from None
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         tail = (proc.stdout[-3000:] + "\n---- stderr ----\n" + proc.stderr[-6000:]).strip()
         raise AssertionError(f"command failed ({proc.returncode}): {' '.join(map(str, args))}\n{tail}")
