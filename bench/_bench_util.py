@@ -9,10 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common.metrics import median  # noqa: F401  (re-exported for the benches)
 from common.strategy import RunFacts, resolve_deepspeed_config, write_accelerate_files
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "benchmarks.md"
+HEADINGS = {"benchmarks.md": "Benchmarks", "benchmarks_gpu.md": "GPU benchmarks"}
 
 
 def free_port() -> int:
@@ -21,13 +23,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def bench_env() -> dict[str, str]:
+    """One intra-op thread per rank, a fresh master port, and the repository importable from bench/ scripts."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "MASTER_PORT": str(free_port())}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    return env
+
+
 def launch_group(
     script: Path, backend: str, preset: str, script_args: list[str], nproc: int = 2, timeout: float = 900
 ) -> None:
     """Run ``script`` as a process group of ``nproc`` ranks through the backend's own launcher."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        env.pop(key, None)
+    env = bench_env()
     if backend == "raw":
         cmd = [
             sys.executable,
@@ -64,24 +73,30 @@ def launch_group(
         raise RuntimeError(f"{backend} {preset} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+def spread(values: list[float]) -> tuple[float, float]:
+    """(min, max) of the repetitions: how far apart interleaved runs landed."""
+    return min(values), max(values)
 
 
-def write_section(name: str, command: str, date: str, body: str) -> None:
-    """Replace (or append) section ``name`` of docs/benchmarks.md, keeping the others."""
-    DOC.parent.mkdir(exist_ok=True)
-    header = "# Benchmarks (measured here)\n\nEach section says the command that produced it and when.\n"
-    text = DOC.read_text() if DOC.exists() else header
+def write_section(
+    name: str,
+    command: str,
+    date: str,
+    body: str,
+    doc: Path = DOC,
+    machine: str = "this machine: 2 CPU cores, shared",
+) -> None:
+    """Replace (or append) section ``name`` of ``doc`` (docs/benchmarks.md by default), keeping the others."""
+    doc.parent.mkdir(exist_ok=True)
+    heading = HEADINGS.get(doc.name, "Benchmarks")
+    header = f"# {heading} (measured here)\n\nEach section says the command that produced it and when.\n"
+    text = doc.read_text() if doc.exists() else header
     block = (
-        f"<!-- {name}:start -->\n## {name}\n\nCommand: `{command}` ({date}, this machine: 2 CPU cores, shared)."
-        f"\n\n{body}\n<!-- {name}:end -->"
+        f"<!-- {name}:start -->\n## {name}\n\nCommand: `{command}` ({date}, {machine}).\n\n{body}\n<!-- {name}:end -->"
     )
     pattern = re.compile(rf"<!-- {name}:start -->.*?<!-- {name}:end -->", re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text)
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    DOC.write_text(text)
+    doc.write_text(text)

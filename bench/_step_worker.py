@@ -1,27 +1,35 @@
-"""One process group of the overhead benchmark: time optimizer steps of the NLP tiny model.
+"""One process group of a benchmark: time optimizer steps of the NLP tiny model under one backend and preset.
 
-Launched by bench/overhead.py three ways on the same model, DeepSpeed config and data:
+Launched by bench/overhead.py and bench/stages.py (through _bench_util.launch_group) on the same model,
+DeepSpeed config and data:
   raw        python -m torch.distributed.run --nproc_per_node 2 bench/_step_worker.py --backend raw ...
   lightning  python bench/_step_worker.py --backend lightning ...     (Lightning starts rank 1 itself)
   accelerate accelerate launch --config_file CFG bench/_step_worker.py --backend accelerate ...
 Step time = wall time between the ends of consecutive optimizer steps (the whole loop: data, forward,
-backward, step, framework hooks). Rank 0 writes OUT.json with the per-step times.
+backward, step, framework hooks). After the last step every rank reports its peak RSS and the model-state
+bytes it holds (common.accounting); rank 0 writes OUT.json. ``--profile PATH`` runs cProfile on rank 0
+over the steps after warm-up and writes the pstats file there.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import resource
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from common.accounting import model_state_bytes
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
 from nlp.model import build_llama_config, build_model_from_config
 
-VOCAB, SEQ, MICRO_BATCH = 4096, 256, 8
+VOCAB, SEQ, MICRO_BATCH, HIDDEN = 4096, 256, 8, 256
+PROFILE_AFTER = 3  # optimizer steps left out of the profile (start-up, first allocations)
 
 
 def make_model() -> torch.nn.Module:
@@ -46,7 +54,38 @@ def loader_for(rank: int, world: int, steps: int) -> torch.utils.data.DataLoader
     return torch.utils.data.DataLoader(shard, batch_size=MICRO_BATCH)
 
 
-def run_raw(args, ds_config) -> list[float]:
+class StepClock:
+    """End times of optimizer steps; starts cProfile on rank 0 after warm-up when asked to."""
+
+    def __init__(self, profile_path: str | None, is_rank0: bool) -> None:
+        self.ends = [time.perf_counter()]
+        self.profiler = cProfile.Profile() if profile_path and is_rank0 else None
+        self.profile_path = profile_path
+
+    def step_done(self) -> None:
+        self.ends.append(time.perf_counter())
+        if self.profiler is not None and len(self.ends) == PROFILE_AFTER + 1:
+            self.profiler.enable()
+
+    def finish(self) -> list[float]:
+        if self.profiler is not None:
+            self.profiler.disable()
+            self.profiler.dump_stats(self.profile_path)
+        return [b - a for a, b in zip(self.ends, self.ends[1:])]
+
+
+def rank_report(engine) -> list[dict[str, int]]:
+    """Every rank's peak RSS and model-state bytes, gathered (a collective: all ranks call it)."""
+    mine = {
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+        **model_state_bytes(engine),
+    }
+    everyone: list[dict[str, int] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return everyone  # type: ignore[return-value]
+
+
+def run_raw(args, ds_config) -> tuple[list[float], list[dict[str, int]]]:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -54,16 +93,16 @@ def run_raw(args, ds_config) -> list[float]:
     model = make_model()
     optimizer = make_optimizer(model.parameters(), ds_config, lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    ends = [time.perf_counter()]
+    clock = StepClock(args.profile, rank == 0)
     for (ids,) in loader_for(rank, world, args.steps):
         loss = lm_loss(engine, ids)
         engine.backward(loss)
         engine.step()
-        ends.append(time.perf_counter())
-    return [b - a for a, b in zip(ends, ends[1:])] if rank == 0 else []
+        clock.step_done()
+    return clock.finish(), rank_report(engine)
 
 
-def run_accelerate(args, ds_config) -> list[float]:
+def run_accelerate(args, ds_config) -> tuple[list[float], list[dict[str, int]]]:
     from accelerate import Accelerator
 
     from common.strategy import accelerator_kwargs
@@ -72,22 +111,23 @@ def run_accelerate(args, ds_config) -> list[float]:
     model = make_model()
     optimizer = make_optimizer(model.parameters(), ds_config, lr=1e-3)
     engine, optimizer = accelerator.prepare(model, optimizer)
-    ends = [time.perf_counter()]
+    clock = StepClock(args.profile, accelerator.is_main_process)
     for (ids,) in loader_for(accelerator.process_index, accelerator.num_processes, args.steps):
         loss = lm_loss(engine, ids)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        ends.append(time.perf_counter())
-    return [b - a for a, b in zip(ends, ends[1:])] if accelerator.is_main_process else []
+        clock.step_done()
+    return clock.finish(), rank_report(engine)
 
 
-def run_lightning(args, ds_config) -> list[float]:
+def run_lightning(args, ds_config) -> tuple[list[float], list[dict[str, int]]]:
     import lightning as L
 
     from common.strategy import lightning_trainer_kwargs
 
-    ends: list[float] = []
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    clock = StepClock(args.profile, rank == 0)
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -97,11 +137,11 @@ def run_lightning(args, ds_config) -> list[float]:
         def training_step(self, batch, batch_idx):
             return lm_loss(self.model, batch[0])
 
-        def on_train_batch_end(self, *unused) -> None:
-            ends.append(time.perf_counter())
-
         def on_train_start(self) -> None:
-            ends.append(time.perf_counter())
+            clock.ends[0] = time.perf_counter()
+
+        def on_train_batch_end(self, *unused) -> None:
+            clock.step_done()
 
         def configure_optimizers(self):
             return make_optimizer(self.parameters(), self.trainer.strategy.config, lr=1e-3)
@@ -117,9 +157,8 @@ def run_lightning(args, ds_config) -> list[float]:
         use_distributed_sampler=False,
         **lightning_trainer_kwargs(ds_config),
     )
-    rank = int(os.environ.get("LOCAL_RANK", 0))
     trainer.fit(Module(), loader_for(rank, 2, args.steps))
-    return [b - a for a, b in zip(ends, ends[1:])] if trainer.is_global_zero else []
+    return clock.finish(), rank_report(trainer.strategy.model)
 
 
 def main() -> None:
@@ -127,15 +166,21 @@ def main() -> None:
     parser.add_argument("--backend", choices=("raw", "lightning", "accelerate"), required=True)
     parser.add_argument("--preset", default="nlp")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--profile", default=None, help="write a cProfile of rank 0's timed steps here")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    facts = RunFacts(world_size=2, micro_batch_size=MICRO_BATCH, precision="bf16", hidden_size=256)
-    ds_config = resolve_deepspeed_config(args.preset, facts)
-    runner = {"raw": run_raw, "lightning": run_lightning, "accelerate": run_accelerate}[args.backend]
-    times = runner(args, ds_config)
-    if times:
-        Path(args.out).write_text(json.dumps({"backend": args.backend, "preset": args.preset, "step_times": times}))
+    world = int(os.environ.get("WORLD_SIZE", 2))
+    with tempfile.TemporaryDirectory(prefix="zr-nvme-") as nvme:  # only the *_offload_nvme preset uses it
+        facts = RunFacts(
+            world_size=world, micro_batch_size=MICRO_BATCH, precision="bf16", hidden_size=HIDDEN, nvme_path=nvme
+        )
+        ds_config = resolve_deepspeed_config(args.preset, facts)
+        runner = {"raw": run_raw, "lightning": run_lightning, "accelerate": run_accelerate}[args.backend]
+        times, ranks = runner(args, ds_config)
+    if torch.distributed.get_rank() == 0:
+        result = {"backend": args.backend, "preset": args.preset, "step_times": times, "ranks": ranks}
+        Path(args.out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

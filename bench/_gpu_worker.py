@@ -1,0 +1,92 @@
+"""One variant of bench/gpu.py in one process: the NLP recipe's model and DeepSpeed config, timed steps.
+
+    python -m torch.distributed.run --nproc_per_node 1 bench/_gpu_worker.py --variant '{"name": ...}' --out OUT.json
+
+Uses the recipe's own setup functions (recipes/nlp/recipe_config.py): the config file and overrides, the
+model built by ``build_model`` (activation checkpointing applied the recipe's way), the DeepSpeed dict
+from ``resolve_ds_config`` and the loss ``lm_loss``; tokens are random (throughput does not depend on them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "recipes" / "nlp"))
+
+from recipe_config import (  # noqa: E402
+    NLPConfig,
+    build_model,
+    hidden_size,
+    lm_loss,
+    model_config,
+    resolve_ds_config,
+)
+
+from common.config import load_config  # noqa: E402
+from common.metrics import gpu_peak_flops, median, mfu, peak_memory_bytes  # noqa: E402
+from nlp.model import flops_per_token, resolve_attention  # noqa: E402
+
+
+def main() -> None:
+    import deepspeed
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variant", required=True, help="JSON: name, config, overrides, steps, warmup")
+    parser.add_argument("--out", required=True)
+    variant = json.loads(parser.parse_args().variant)
+    out = Path(parser.parse_args().out)
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    if not on_gpu:
+        torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    cfg = load_config(NLPConfig, variant["config"], variant["overrides"])
+    config = model_config(cfg, tokenizer=None)
+    attention = resolve_attention(cfg.attention, device.type, torch.bfloat16)
+    ds_config = resolve_ds_config(cfg, world_size=1, hidden_size=hidden_size(cfg))
+    with torch.device(device):  # create the weights where they train: a 1B model initialises in seconds on a GPU
+        model = build_model(cfg, config, attention)
+    from common.strategy import make_optimizer
+
+    optimizer = make_optimizer(model.parameters(), ds_config, lr=cfg.lr)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    generator = torch.Generator().manual_seed(0)
+    shape = (cfg.micro_batch_size, cfg.seq_len)
+    ends = [time.perf_counter()]
+    for _ in range(variant["steps"]):
+        ids = torch.randint(0, config.vocab_size, shape, generator=generator).to(device)
+        loss = lm_loss(engine, ids, torch.roll(ids, -1, dims=1))
+        engine.backward(loss)
+        engine.step()
+        if on_gpu:
+            torch.cuda.synchronize()
+        ends.append(time.perf_counter())
+    step_s = median([b - a for a, b in zip(ends, ends[1:])][variant["warmup"] :])
+    tokens_per_s = cfg.micro_batch_size * cfg.seq_len / step_s
+    peak_flops = gpu_peak_flops()
+    result = {
+        **variant,
+        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+        "attention_used": attention,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "stage": ds_config["zero_optimization"]["stage"],
+        "num_params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()),
+        "median_step_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(tokens_per_s, flops_per_token(config, cfg.seq_len), peak_flops),
+        "peak_memory_bytes": peak_memory_bytes(),
+        "memory_kind": "gpu_max_allocated" if on_gpu else "cpu_peak_rss",
+        "final_loss": float(loss.detach().float()),
+    }
+    out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

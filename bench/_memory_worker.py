@@ -1,0 +1,99 @@
+"""One process group of bench/memory.py: model-state bytes per rank after a real step, stages 0-3, two shapes.
+
+    python -m torch.distributed.run --nproc_per_node N bench/_memory_worker.py --out OUT.json
+
+For each model shape and each ZeRO stage (presets ddp, deepspeed_stage_1/2/3, bf16, resolved by the
+factory), build the model afresh, ``deepspeed.initialize`` it, train one step, and count what every rank
+holds with common.accounting.model_state_bytes. Rank 0 writes OUT.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+
+import torch
+
+from common.accounting import model_state_bytes
+from common.memory import count_module
+from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
+from nlp.model import build_llama_config, build_model_from_config
+
+STAGE_PRESETS = {0: "ddp", 1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "deepspeed_stage_3"}
+# Two Llama shapes: the recipe's tiny model, and a wider, shallower one with tied embeddings and
+# grouped-query attention (a shared tensor must be counted once; GQA makes K/V matrices narrower).
+SHAPES = {
+    "tiny": {"vocab_size": 4096},
+    "wide-tied": {
+        "vocab_size": 8192,
+        "hidden_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1376,
+        "tie_word_embeddings": True,
+    },
+}
+SEQ, MICRO_BATCH = 32, 1  # one short step: only model states matter here, not activations
+
+
+def make_model(shape: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model_from_config(build_llama_config("tiny", seq_len=SEQ, **SHAPES[shape]), "sdpa")
+
+
+def one_step(shape: str, stage: int) -> dict:
+    import deepspeed
+
+    model = make_model(shape)
+    num_params, largest = count_module(model)
+    hidden = model.config.hidden_size
+    facts = RunFacts(
+        world_size=torch.distributed.get_world_size(),
+        micro_batch_size=MICRO_BATCH,
+        precision="bf16",
+        hidden_size=hidden,
+    )
+    ds_config = resolve_deepspeed_config(STAGE_PRESETS[stage], facts)
+    optimizer = make_optimizer(model.parameters(), ds_config, lr=1e-3)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    ids = torch.randint(0, model.config.vocab_size, (MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    persistent = sum(p.ds_numel for p in engine.module.parameters() if getattr(p, "ds_persist", False))
+    measured = model_state_bytes(engine)
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, measured)
+    row = {
+        "shape": shape,
+        "stage": stage,
+        "preset": STAGE_PRESETS[stage],
+        "num_params": num_params,
+        "largest_layer_params": largest,
+        "hidden_size": hidden,
+        "persistent_params": persistent,
+        "zero_optimization": ds_config["zero_optimization"],
+        "ranks": everyone,
+    }
+    del engine, optimizer, model
+    gc.collect()
+    return row
+
+
+def main() -> None:
+    import deepspeed
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rows = [one_step(shape, stage) for shape in SHAPES for stage in STAGE_PRESETS]
+    if torch.distributed.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

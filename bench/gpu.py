@@ -1,0 +1,147 @@
+"""Driver of bench/gpu.sh: the NLP recipe at 1B class on one GPU, or every part on a tiny size on a CPU.
+
+    bash bench/gpu.sh                 # one GPU: llama_1b.yaml, writes docs/benchmarks_gpu.md (section "gpu")
+    bash bench/gpu.sh --cpu           # no GPU: the same variants on the tiny model (section "cpu-mode")
+    python bench/gpu.py --cpu --variants stage2,ac_full --doc /tmp/x.md    # a subset, elsewhere
+
+Variants (one fresh process each, bench/_gpu_worker.py): ZeRO stages 0-3 and stage 3 + CPU offload with the
+config's attention (``auto``: FlashAttention-2 when flash-attn is installed on a GPU, else SDPA) and its
+activation checkpointing (``selective`` in llama_1b.yaml); SDPA forced, to compare with FlashAttention-2;
+activation-checkpointing presets none / full / every_k. Reports tokens/s, MFU (PaLM's FLOPs count,
+common/metrics.py) and peak allocated memory (peak RSS on a CPU). A variant that fails (out of memory,
+say) keeps its last error line; the whole run stops starting variants after --budget-s seconds so it
+finishes within 8 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _bench_util import REPO, launch_group, write_section  # noqa: E402
+
+GPU_DOC = REPO / "docs" / "benchmarks_gpu.md"
+GPU_RUN = {
+    "config": "recipes/nlp/configs/llama_1b.yaml",
+    "overrides": ["micro_batch_size=4", "grad_accum=1"],
+    "steps": 10,
+    "warmup": 3,
+}
+CPU_RUN = {
+    "config": "recipes/nlp/configs/tiny_cpu.yaml",
+    "overrides": ["micro_batch_size=2", "seq_len=64", "grad_accum=1", "activation_checkpointing=selective"],
+    "steps": 5,
+    "warmup": 2,
+}
+# name: (preset, extra overrides); the baseline is stage 0 (one GPU: nothing to shard, the fastest rung).
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "stage0": ("ddp", []),
+    "stage1": ("deepspeed_stage_1", []),
+    "stage2": ("deepspeed_stage_2", []),
+    "stage3": ("deepspeed_stage_3", []),
+    "stage3_offload": ("deepspeed_stage_3_offload", []),
+    "sdpa": ("ddp", ["attention=sdpa"]),
+    "ac_none": ("ddp", ["activation_checkpointing=none"]),
+    "ac_full": ("ddp", ["activation_checkpointing=full"]),
+    "ac_every_k": ("ddp", ["activation_checkpointing=every_k"]),
+}
+GiB = 2**30
+
+
+def run_variant(name: str, base: dict, tmp: Path) -> dict:
+    preset, extra = VARIANTS[name]
+    variant = {**base, "name": name, "overrides": [*base["overrides"], f"preset={preset}", *extra]}
+    out = tmp / f"{name}.json"
+    started = time.perf_counter()
+    try:
+        launch_group(
+            HERE / "_gpu_worker.py",
+            "raw",
+            preset,
+            ["--variant", json.dumps(variant), "--out", str(out)],
+            nproc=1,
+            timeout=240,
+        )
+    except (RuntimeError, OSError) as err:
+        lines = [line for line in str(err).splitlines() if "Error" in line or "error" in line]
+        return {**variant, "error": (lines[-1] if lines else str(err).splitlines()[-1])[:200]}
+    except Exception as err:  # subprocess.TimeoutExpired: the variant took too long
+        return {**variant, "error": f"{type(err).__name__}: {err}"[:200]}
+    result = json.loads(out.read_text())
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| variant | ZeRO | attention | activation ckpt | tokens/s | MFU | peak memory | step ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['name']} | did not run: `{r['error']}` | | | | | | |")
+            continue
+        mfu = "-" if r["mfu"] is None else f"{r['mfu'] * 100:.1f} %"
+        lines.append(
+            f"| {r['name']} | {r['stage']} | {r['attention_used']} | {r['activation_checkpointing']} | "
+            f"{r['tokens_per_s']:.0f} | {mfu} | {r['peak_memory_bytes'] / GiB:.2f} GiB ({r['memory_kind']}) | "
+            f"{r['median_step_s'] * 1e3:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="tiny size on a CPU: checks every part runs")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--budget-s", type=float, default=420.0, help="start no variant after this many seconds")
+    parser.add_argument("--doc", type=Path, default=GPU_DOC)
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        sys.exit(f"error: unknown variant {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
+    base = CPU_RUN if args.cpu else GPU_RUN
+    started = time.perf_counter()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            if time.perf_counter() - started > args.budget_s:
+                results.append({"name": name, "error": f"not started: past the {args.budget_s:.0f} s budget"})
+                continue
+            results.append(run_variant(name, base, Path(tmp)))
+            r = results[-1]
+            print(
+                f"{name:>15}: "
+                + (
+                    r["error"]
+                    if "error" in r
+                    else f"{r['tokens_per_s']:.0f} tokens/s, "
+                    f"MFU {r['mfu']}, peak {r['peak_memory_bytes'] / GiB:.2f} GiB"
+                ),
+                flush=True,
+            )
+    device = next((r["device"] for r in results if "device" in r), "none")
+    body = (
+        f"{base['config']} with {' '.join(base['overrides'])}, one process, {base['steps']} steps per variant "
+        f"({base['warmup']} warm-up), random tokens; device: {device}. MFU: PaLM's 6N + 12LHQT FLOPs per token "
+        "over the GPU's dense bf16 peak (recomputation not counted).\n\n" + table(results)
+    )
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / ("gpu_cpu_mode.json" if args.cpu else "gpu.json")).write_text(json.dumps(results, indent=2))
+    command = "bash bench/gpu.sh" + (" --cpu" if args.cpu else "")
+    if args.variants != ",".join(VARIANTS):
+        command = f"python bench/gpu.py{' --cpu' if args.cpu else ''} --variants {args.variants}"
+    machine = "CPU mode: tiny size, checks the pipeline, not a performance figure" if args.cpu else device
+    write_section("cpu-mode" if args.cpu else "gpu", command, time.strftime("%Y-%m-%d"), body, args.doc, machine)
+    print(f"wrote {args.doc} in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
