@@ -73,6 +73,11 @@ def launch_group(
         raise RuntimeError(f"{backend} {preset} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
+def table_head(*columns: str) -> list[str]:
+    """The header and rule lines of a Markdown table."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def spread(values: list[float]) -> tuple[float, float]:
     """(min, max) of the repetitions: how far apart interleaved runs landed."""
     return min(values), max(values)

@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from _bench_util import REPO, launch_group, write_section  # noqa: E402
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
+from _bench_util import REPO, launch_group, table_head, write_section  # noqa: E402
+
+from common.errors import ConfigError, exit_on_user_error, nearest  # noqa: E402
 
 GPU_DOC = REPO / "docs" / "benchmarks_gpu.md"
 GPU_RUN = {
@@ -79,10 +81,7 @@ def run_variant(name: str, base: dict, tmp: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = [
-        "| variant | ZeRO | attention | activation ckpt | tokens/s | MFU | peak memory | step ms |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = table_head("variant", "ZeRO", "attention", "activation ckpt", "tokens/s", "MFU", "peak memory", "step ms")
     for r in results:
         if "error" in r:
             lines.append(f"| {r['name']} | did not run: `{r['error']}` | | | | | | |")
@@ -96,17 +95,21 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@exit_on_user_error()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="tiny size on a CPU: checks every part runs")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no variant after this many seconds")
     parser.add_argument("--doc", type=Path, default=GPU_DOC)
+    parser.add_argument("--json", type=Path, default=None, help="results file (default bench/results/gpu*.json)")
     args = parser.parse_args()
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
-        sys.exit(f"error: unknown variant {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
+        raise ConfigError(
+            f"unknown variant {unknown[0]!r}{nearest(unknown[0], VARIANTS)}; valid: {', '.join(VARIANTS)}"
+        )
     base = CPU_RUN if args.cpu else GPU_RUN
     started = time.perf_counter()
     results = []
@@ -133,8 +136,9 @@ def main() -> None:
         f"({base['warmup']} warm-up), random tokens; device: {device}. MFU: PaLM's 6N + 12LHQT FLOPs per token "
         "over the GPU's dense bf16 peak (recomputation not counted).\n\n" + table(results)
     )
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / ("gpu_cpu_mode.json" if args.cpu else "gpu.json")).write_text(json.dumps(results, indent=2))
+    results_file = args.json or HERE / "results" / ("gpu_cpu_mode.json" if args.cpu else "gpu.json")
+    results_file.parent.mkdir(exist_ok=True)
+    results_file.write_text(json.dumps(results, indent=2))
     command = "bash bench/gpu.sh" + (" --cpu" if args.cpu else "")
     if args.variants != ",".join(VARIANTS):
         command = f"python bench/gpu.py{' --cpu' if args.cpu else ''} --variants {args.variants}"

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from _bench_util import launch_group, write_section  # noqa: E402
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
+from _bench_util import launch_group, table_head, write_section  # noqa: E402
 
 from common.accounting import predicted_model_state_bytes  # noqa: E402
 from common.memory import buffer_bytes  # noqa: E402
@@ -61,11 +61,15 @@ def cell(row: dict, world_size: int) -> dict:
 
 
 def table(cells: list[dict]) -> str:
-    lines = [
-        "| shape (params) | stage | ranks | predicted MiB | measured MiB (params / grads / optimizer) | error "
-        "| ZeRO buffers MiB (planner's buffer term) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = table_head(
+        "shape (params)",
+        "stage",
+        "ranks",
+        "predicted MiB",
+        "measured MiB (params / grads / optimizer)",
+        "error",
+        "ZeRO buffers MiB (planner's buffer term)",
+    )
     for c in cells:
         parts = c["measured_parts"]
         lines.append(

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from _bench_util import launch_group, median, spread, write_section  # noqa: E402
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
+from _bench_util import launch_group, median, spread, table_head, write_section  # noqa: E402
 
 BACKENDS = ("raw", "lightning", "accelerate")
 WARMUP = 4
@@ -74,11 +74,16 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict]:
 
 
 def overhead_table(rows: dict[str, dict]) -> str:
-    lines = [
-        "| preset | backend | step time / raw DeepSpeed (median of reps) | min-max | per rep | raw ms | backend ms "
-        "| goal <= 1.05 |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = table_head(
+        "preset",
+        "backend",
+        "step time / raw DeepSpeed (median of reps)",
+        "min-max",
+        "per rep",
+        "raw ms",
+        "backend ms",
+        "goal <= 1.05",
+    )
     for preset, row in rows.items():
         for backend in ("lightning", "accelerate"):
             cell = row[backend]
@@ -132,8 +137,7 @@ def profile(preset: str, steps: int) -> str:
         f"cProfile on rank 0, {preset}, {timed} steps after {PROFILE_AFTER}: own time per step (ms) by the package "
         "whose code ran it (profiling slows every step; compare columns, not with the table above).",
         "",
-        "| area | raw | lightning | accelerate |",
-        "|---|---|---|---|",
+        *table_head("area", *BACKENDS),
     ]
     lines.append("| step time (median, profiled) | " + " | ".join(f"{results[b][0]:.0f}" for b in BACKENDS) + " |")
     for name in names:

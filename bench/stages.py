@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from _bench_util import REPO, launch_group, median, spread, write_section  # noqa: E402
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
+from _bench_util import REPO, launch_group, median, spread, table_head, write_section  # noqa: E402
 
 REFERENCE = "deepspeed_stage_1"
 LADDER = ("ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload")
@@ -103,11 +103,13 @@ def ratio_text(row: dict) -> str:
 
 
 def ladder_table(rows: dict[str, dict]) -> str:
-    lines = [
-        "| preset | throughput vs stage 1, here (median, min-max over reps) | guide 1 (7B, 8 GPUs) | tokens/s per rank "
-        "| step ms |",
-        "|---|---|---|---|---|",
-    ]
+    lines = table_head(
+        "preset",
+        "throughput vs stage 1, here (median, min-max over reps)",
+        "guide 1 (7B, 8 GPUs)",
+        "tokens/s per rank",
+        "step ms",
+    )
     for preset in LADDER:
         row = rows.get(preset)
         if not row or "error" in row:
@@ -123,11 +125,17 @@ def ladder_table(rows: dict[str, dict]) -> str:
 def presets_table(rows: dict[str, dict]) -> str:
     from common.presets import PRESET_NAMES, get_preset
 
-    lines = [
-        "| preset | ZeRO | offload | throughput vs stage 1 | tokens/s per rank | peak RSS per rank "
-        "| model states per rank | ZeRO buffers per rank | run |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = table_head(
+        "preset",
+        "ZeRO",
+        "offload",
+        "throughput vs stage 1",
+        "tokens/s per rank",
+        "peak RSS per rank",
+        "model states per rank",
+        "ZeRO buffers per rank",
+        "run",
+    )
     for preset in PRESET_NAMES:
         spec = get_preset(preset)
         zero = spec["zero_optimization"]

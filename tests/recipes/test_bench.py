@@ -1,0 +1,64 @@
+"""The benchmarks as a user runs them: bench/gpu.sh's CPU mode, and the pieces every bench shares.
+
+The slow test runs two variants of the GPU script's driver on the tiny model (one with ZeRO-3 + CPU offload,
+one with full activation checkpointing), each a real DeepSpeed run, so the script works the first time it
+meets a GPU. The fast tests check the shared docs writer and the script's refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from _util import PYTHON, REPO, run
+
+sys.path.insert(0, str(REPO / "bench"))
+from _bench_util import write_section  # noqa: E402
+
+
+def test_write_section_replaces_its_own_section_and_keeps_the_others(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    write_section("overhead", "cmd a", "2026-01-01", "first", doc=doc)
+    write_section("export-memory", "cmd b", "2026-01-01", "theirs", doc=doc)
+    write_section("overhead", "cmd c", "2026-01-02", "second", doc=doc)
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks (measured here)")
+    assert "second" in text and "first" not in text and "`cmd c` (2026-01-02" in text
+    assert "theirs" in text and text.count("<!-- overhead:start -->") == 1
+    assert text.index("overhead:start") < text.index("export-memory:start")  # replaced in place
+
+
+def test_gpu_driver_refuses_an_unknown_variant_with_one_line(tmp_path):
+    proc = run([PYTHON, "bench/gpu.py", "--cpu", "--variants", "stage9", "--doc", tmp_path / "x.md"], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: unknown variant 'stage9' (did you mean 'stage3'?); valid: stage0, stage1, stage2, stage3, "
+        "stage3_offload, sdpa, ac_none, ac_full, ac_every_k"
+    )
+    assert not (tmp_path / "x.md").exists()
+
+
+def test_gpu_script_without_a_gpu_points_to_the_cpu_mode():
+    proc = run(["bash", "bench/gpu.sh"], check=False, CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 2
+    assert "error: no GPU visible; run 'bash bench/gpu.sh --cpu'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_gpu_script_cpu_mode_runs_offload_and_checkpointing_variants(tmp_path):
+    doc, results = tmp_path / "benchmarks_gpu.md", tmp_path / "gpu.json"
+    args = ["--cpu", "--variants", "stage3_offload,ac_full", "--doc", doc, "--json", results]
+    run([PYTHON, "bench/gpu.py", *args], timeout=300)
+    rows = json.loads(results.read_text())
+    assert [r["name"] for r in rows] == ["stage3_offload", "ac_full"]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert r["mfu"] is None  # no made-up peak FLOPs on a CPU
+        assert r["attention_used"] == "sdpa"
+    assert [r["stage"] for r in rows] == [3, 0]
+    assert [r["activation_checkpointing"] for r in rows] == ["selective", "full"]
+    text = doc.read_text()
+    assert "<!-- cpu-mode:start -->" in text and "CPU mode" in text
+    assert "| stage3_offload | 3 | sdpa | selective |" in text and "| ac_full | 0 | sdpa | full |" in text
