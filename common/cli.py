@@ -129,9 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
-    from common import copy_recipe, lint, memory, probe
+    from common import copy_recipe, export, lint, memory, probe
 
-    return [copy_recipe.register, memory.register, lint.register, probe.register]
+    return [copy_recipe.register, memory.register, lint.register, probe.register, export.register]
 
 
 # Other modules (planning tools, export, cp) add their subcommands here: (subparsers) -> None.

@@ -1,0 +1,680 @@
+"""``zero-recipes export``: a ZeRO 1/2/3 checkpoint consolidated into safetensors shards, one tensor at a time.
+
+    zero-recipes export runs/nlp/ exported/                    # a run directory: its checkpoints/latest
+    zero-recipes export runs/nlp/checkpoints/step_000100 exported/ --dtype bf16 --max-shard-size 2GB --verify
+
+A DeepSpeed checkpoint keeps the fp32 master weights as flat vectors, one slice per data-parallel rank, inside
+the optimizer files (``*_optim_states.pt``), next to the Adam moments (twice as large again). DeepSpeed's own
+``zero_to_fp32`` unpickles them (memory-mapped) and keeps every page it touched mapped until the end, so its peak
+grows with the model. Here every pickle is opened on the ``meta`` device: nothing but the structure is read, and
+each meta tensor tells where its bytes lie in the file. Each output tensor is then read with plain file reads of
+exactly its slices, cast, and dropped once its shard is written: the peak is about one output shard plus the
+largest tensor (``bench/export_memory.py`` measures it against ``zero_to_fp32``).
+
+Accepted inputs: a run directory (``checkpoints/latest`` names the step), a step directory (DeepSpeed's
+``latest`` file names the tag folder: ``checkpoint/`` from Lightning, ``pytorch_model/`` from Accelerate's
+``save_state``), or the tag folder itself. When the run's model is a transformers model (the run directory's
+``final/`` holds a ``config.json``) the output is a Hugging Face folder: config, tokenizer and weights under the
+model's own parameter names, with tied weights left to the config (``tie_word_embeddings``) as
+``save_pretrained`` does.
+
+Pickles are loaded with ``weights_only=True`` and an allow-list of the four DeepSpeed classes a checkpoint
+holds; anything else is refused, not executed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.checkpoint import latest_checkpoint
+from common.errors import ConfigError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+INDEX_NAME = "model.safetensors.index.json"
+WEIGHT_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+_OPTIM_FILE = re.compile(r"^(?:\w+_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+# --- reading DeepSpeed files without reading their tensors ----------------------------------------
+
+
+def _deepspeed_pickle_classes() -> list[Any]:
+    """The non-tensor classes DeepSpeed pickles into a checkpoint: the only globals ``torch.load`` may build."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def load_structure(path: Path) -> dict[str, Any]:
+    """A checkpoint file's contents with every tensor on the ``meta`` device (no tensor data is read).
+
+    Raises:
+        ConfigError: the file is missing, truncated, not a torch file, or pickles a class outside the allow-list.
+    """
+    if not path.is_file():
+        raise ConfigError(f"missing checkpoint shard: {path}")
+    try:
+        with torch.serialization.safe_globals(_deepspeed_pickle_classes()):
+            return torch.load(path, map_location="meta", weights_only=True)
+    except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError... for a damaged file
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"corrupt or unreadable checkpoint shard: {path} ({reason})") from None
+
+
+def read_slice(path: Path, flat: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Elements ``start:start+length`` of the meta tensor ``flat`` (1-D), read from ``path`` into a new CPU tensor.
+
+    torch writes each storage uncompressed into its zip file; a meta tensor loaded from it keeps the storage's
+    byte offset (``_checkpoint_offset``), so the slice is one ``readinto`` of exactly its bytes.
+    """
+    itemsize = flat.element_size()
+    offset = flat.untyped_storage()._checkpoint_offset + (flat.storage_offset() + start) * itemsize
+    buffer = bytearray(length * itemsize)
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        if handle.readinto(buffer) != len(buffer):
+            raise ConfigError(f"corrupt checkpoint shard: {path} ends before the tensor data it lists")
+    return torch.frombuffer(buffer, dtype=flat.dtype) if buffer else torch.empty(0, dtype=flat.dtype)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of elements of one flat tensor in one file."""
+
+    file: Path
+    flat: torch.Tensor  # meta tensor: dtype and where its bytes lie
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """One whole tensor of the model: its shape and the pieces that, concatenated, hold its elements first."""
+
+    shape: torch.Size
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def read(self) -> torch.Tensor:
+        """The tensor, read from disk (its source dtype)."""
+        parts = [read_slice(p.file, p.flat, p.start, p.length) for p in self.pieces]
+        return (torch.cat(parts) if len(parts) > 1 else parts[0])[: self.numel].view(self.shape)
+
+
+# --- where the elements of each parameter lie (pure functions of the saved shapes) ----------------
+
+
+def zero3_layout(group_shapes: list[dict[str, torch.Size]], world_size: int) -> dict[str, tuple[int, int]]:
+    """ZeRO-3: ``{name: (offset, partition_numel)}`` in each rank's flat groups laid end to end.
+
+    Each parameter is padded to a multiple of the world size and split evenly; every rank holds
+    ``partition_numel`` elements of it at the same offset (DeepSpeed's ``zero_to_fp32``:
+    ``zero3_partitioned_param_info``). The offset runs across groups: the saved flat groups are sub-groups
+    (``sub_group_size``) that need not match the parameter groups.
+    """
+    layout, offset = {}, 0
+    for shapes in group_shapes:
+        for name, shape in shapes.items():
+            partition = math.ceil(math.prod(shape) / world_size)
+            layout[name] = (offset, partition)
+            offset += partition
+    return layout
+
+
+def zero12_layout(
+    group_shapes: list[dict[str, torch.Size]], alignment_paddings: list[list[int]] | None
+) -> tuple[dict[str, tuple[int, int]], list[int]]:
+    """ZeRO-1/2: ``{name: (group, start)}`` in each group's vector (the ranks' partitions laid end to end), and
+    where each group's parameters end.
+
+    Parameters follow each other in the group, each possibly followed by an alignment padding (saved by
+    DeepSpeed >= 0.16 as ``param_alignment_paddings``).
+    """
+    layout, ends = {}, []
+    for group, shapes in enumerate(group_shapes):
+        start = 0
+        paddings = alignment_paddings[group] if alignment_paddings else [0] * len(shapes)
+        for (name, shape), padding in zip(shapes.items(), paddings, strict=True):
+            layout[name] = (group, start)
+            start += math.prod(shape) + padding
+        ends.append(start)
+    return layout, ends
+
+
+def span_pieces(lengths: list[int], start: int, length: int) -> list[tuple[int, int, int]]:
+    """``(index, start, length)`` runs covering ``start:start+length`` of vectors of ``lengths`` laid end to end."""
+    runs, base = [], 0
+    for index, size in enumerate(lengths):
+        lo, hi = max(start, base), min(start + length, base + size)
+        if lo < hi:
+            runs.append((index, lo - base, hi - lo))
+        base += size
+    return runs
+
+
+# --- the checkpoint -------------------------------------------------------------------------------
+
+
+@dataclass
+class ZeroCheckpoint:
+    """A DeepSpeed ZeRO checkpoint opened for export: where each tensor's elements lie, nothing read yet."""
+
+    tag_dir: Path
+    run_dir: Path | None
+    stage: int
+    world_size: int
+    ds_version: str
+    tensors: dict[str, TensorSource] = field(default_factory=dict)  # parameters, frozen parameters, buffers
+    aliases: dict[str, str] = field(default_factory=dict)  # shared (tied) parameter -> the one saved
+    params: list[str] = field(default_factory=list)  # trainable and frozen parameter names (no buffers)
+
+
+def locate(path: str | Path) -> tuple[Path, Path | None]:
+    """(tag folder holding the ``*_states.pt`` files, run directory or None) for any accepted input path."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist")
+    run_dir = None
+    if (path / "checkpoints" / "latest").is_file():
+        run_dir, path = path, latest_checkpoint(path)
+    if (path / "latest").is_file() and not list(path.glob("*_model_states.pt")):
+        tag = (path / "latest").read_text().strip()
+        if not (path / tag).is_dir():
+            raise ConfigError(f"{path / 'latest'} names {tag!r}, but {path / tag} is not a folder")
+        path = path / tag
+    if not list(path.glob("*_model_states.pt")):
+        raise ConfigError(
+            f"{path} is not a DeepSpeed ZeRO checkpoint: expected a run directory (with checkpoints/latest), "
+            "a checkpoint folder (with a 'latest' file naming its tag folder) or a folder of "
+            "*_model_states.pt and *_optim_states.pt files"
+        )
+    if run_dir is None:  # .../run/checkpoints/step_000100/<tag>: the run's files help name the weights
+        for parent in path.parents:
+            if (parent / "config.yaml").is_file() and (parent / "checkpoints").is_dir():
+                run_dir = parent
+                break
+    return path, run_dir
+
+
+def _check_version(saved: str | None, file: Path) -> str:
+    """Refuse a checkpoint written by a newer major DeepSpeed version than the installed one."""
+    import deepspeed
+    from packaging.version import InvalidVersion, Version
+
+    if saved is None:
+        raise ConfigError(f"{file} has no ds_version: not a checkpoint written by DeepSpeed's save_checkpoint")
+    try:
+        newer = Version(str(saved)).major > Version(deepspeed.__version__).major
+    except InvalidVersion:
+        raise ConfigError(f"{file}: unreadable ds_version {saved!r}") from None
+    if newer:
+        raise ConfigError(
+            f"{file} was written by DeepSpeed {saved}, a newer major version than the installed "
+            f"{deepspeed.__version__}: its format may differ; upgrade DeepSpeed to export it"
+        )
+    return str(saved)
+
+
+def _optimizer_files(tag_dir: Path, world_size: int) -> list[Path]:
+    """The ``*_optim_states.pt`` file of every rank, in rank order; a missing rank is named."""
+    found = {int(m.group(1)): p for p in tag_dir.iterdir() if (m := _OPTIM_FILE.match(p.name))}
+    if not found:
+        raise ConfigError(f"missing checkpoint shards: {tag_dir} has no *_optim_states.pt file")
+    prefix = next(iter(found.values())).name.split("zero_pp_rank_")[0]
+    for rank in range(world_size):
+        if rank not in found:
+            raise ConfigError(
+                f"missing checkpoint shard: {tag_dir / f'{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt'}"
+            )
+    return [found[rank] for rank in range(world_size)]
+
+
+def open_checkpoint(path: str | Path) -> ZeroCheckpoint:
+    """Resolve ``path``, read the structure of every shard, and place every tensor (no tensor data is read)."""
+    tag_dir, run_dir = locate(path)
+    model_files = sorted(tag_dir.glob("*_model_states.pt"))
+    first = load_structure(model_files[0])
+    if "param_shapes" not in first or "buffer_names" not in first:
+        raise ConfigError(f"{model_files[0]} is not a ZeRO model-states file (no param_shapes / buffer_names)")
+    version = _check_version(first.get("ds_version"), model_files[0])
+    world_size = int(first.get("dp_world_size", 0))
+    optim_files = _optimizer_files(tag_dir, world_size)
+    optim = [load_structure(f)["optimizer_state_dict"] for f in optim_files]
+    stage = int(optim[0]["zero_stage"])
+    ckpt = ZeroCheckpoint(tag_dir, run_dir, stage, world_size, version)
+    group_shapes = first["param_shapes"]
+
+    if stage == 3:
+        rank_models = [
+            load_structure(tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(world_size)
+        ]
+        flats = [o["fp32_flat_groups"] for o in optim]
+        lengths = [t.numel() for t in flats[0]]
+        layout = zero3_layout(group_shapes, world_size)
+        for group in group_shapes:
+            for name, shape in group.items():
+                offset, partition = layout[name]
+                pieces = [
+                    Piece(optim_files[r], flats[r][g], start, n)
+                    for r in range(world_size)
+                    for g, start, n in span_pieces(lengths, offset, partition)
+                ]
+                ckpt.tensors[name] = TensorSource(shape, tuple(pieces))
+        used, available = [sum(p for _, p in layout.values())], [sum(lengths)]
+        frozen = _zero3_frozen(first, rank_models, model_files)
+    elif stage in (1, 2):
+        flats = [o["single_partition_of_fp32_groups"] for o in optim]
+        layout, ends = zero12_layout(group_shapes, optim[0].get("param_alignment_paddings"))
+        for name, (group, start) in layout.items():
+            shape = group_shapes[group][name]
+            lengths = [flats[r][group].numel() for r in range(world_size)]
+            runs = span_pieces(lengths, start, math.prod(shape))
+            ckpt.tensors[name] = TensorSource(
+                shape, tuple(Piece(optim_files[r], flats[r][group], s, n) for r, s, n in runs)
+            )
+        # DeepSpeed pads each group to a multiple of 2 x world size: compare as its zero_to_fp32 does.
+        align = 2 * world_size
+        used = [_round_up(end, align) for end in ends]
+        available = [_round_up(sum(f[g].numel() for f in flats), align) for g in range(len(group_shapes))]
+        frozen = {
+            name: TensorSource(
+                shape, (Piece(model_files[0], first["frozen_param_fragments"][name].reshape(-1), 0, math.prod(shape)),)
+            )
+            for name, shape in (first.get("frozen_param_shapes") or {}).items()
+        }
+    else:
+        raise ConfigError(f"{optim_files[0]}: ZeRO stage {stage}; export reads stages 1, 2 and 3")
+    if used != available:
+        raise ConfigError(
+            f"{tag_dir}: the saved shapes need {used} elements per flat group but the shards hold {available}; "
+            "the shards do not belong to this checkpoint"
+        )
+    ckpt.tensors.update(frozen)
+    ckpt.params = list(ckpt.tensors)
+    module = first.get("module") or {}
+    for name in first["buffer_names"]:
+        if name in module:
+            buffer = module[name].reshape(-1)
+            ckpt.tensors[name] = TensorSource(module[name].shape, (Piece(model_files[0], buffer, 0, buffer.numel()),))
+    ckpt.aliases = {
+        alias: source for alias, source in (first.get("shared_params") or {}).items() if source in ckpt.tensors
+    }
+    return ckpt
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return multiple * math.ceil(value / multiple)
+
+
+def _zero3_frozen(
+    first: dict[str, Any], rank_models: list[dict[str, Any]], files: list[Path]
+) -> dict[str, TensorSource]:
+    """ZeRO-3 frozen parameters (``requires_grad=False``): each rank's model-states file holds its slice."""
+    sources = {}
+    for name, shape in (first.get("frozen_param_shapes") or {}).items():
+        pieces = []
+        for rank, model in enumerate(rank_models):
+            fragment = model["frozen_param_fragments"][name].reshape(-1)
+            pieces.append(
+                Piece(
+                    files[0].with_name(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"), fragment, 0, fragment.numel()
+                )
+            )
+        sources[name] = TensorSource(shape, tuple(pieces))
+    return sources
+
+
+# --- naming: the run's transformers model, if any ------------------------------------------------
+
+
+@dataclass
+class HFModel:
+    """A transformers model to export for: its folder (config, tokenizer files) and its parameter names."""
+
+    folder: Path
+    state_keys: list[str]  # the model's own state_dict keys, persistent buffers included
+    tied: dict[str, str]  # name -> the parameter it shares storage with (``tie_word_embeddings``)
+
+
+def model_class(folder: Path, trust_remote_code: bool = False) -> tuple[Any, Any] | None:
+    """(config, model class) of a Hugging Face folder, or None when its ``config.json`` is not a transformers one.
+
+    The class is the one ``config.json`` names under ``architectures`` (``LlamaForCausalLM``,
+    ``SwinForImageClassification``...), looked up in transformers itself: no code from the folder is run unless
+    ``trust_remote_code``.
+    """
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            str(folder), local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError, KeyError):
+        return None  # e.g. a domain model's own config.json (no model_type)
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, architecture, None) if architecture else None
+    return (config, cls) if cls is not None else None
+
+
+def find_hf_model(run_dir: Path | None, trust_remote_code: bool = False) -> HFModel | None:
+    """The run's transformers model, read from ``final/config.json`` and built on the ``meta`` device.
+
+    ``final/`` is what the recipe itself exported at the end of the run: the only place that holds the model's
+    exact config (a config built again from ``config.yaml`` would need the recipe's code). A run without a
+    transformers model, or one that crashed before ``final/``, is exported as plain safetensors.
+    """
+    folder = run_dir / "final" if run_dir else None
+    found = model_class(folder, trust_remote_code) if folder and (folder / "config.json").is_file() else None
+    if found is None:
+        return None
+    config, cls = found
+    with torch.device("meta"):
+        model = cls(config)
+    seen: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied[name] = seen[id(param)]
+        else:
+            seen[id(param)] = name
+    return HFModel(folder, list(model.state_dict()), tied)
+
+
+def strip_prefix(names: list[str], wanted: set[str]) -> str:
+    """The leading dotted prefix that turns every checkpoint name into one of ``wanted`` ('' when none is needed).
+
+    Lightning saves the LightningModule, so a transformers model kept as ``self.model`` has names
+    ``model.model.layers...``; Accelerate saves the model itself (``model.layers...``).
+    """
+    parts = names[0].split(".")
+    for depth in range(len(parts)):
+        prefix = ".".join(parts[:depth]) + ("." if depth else "")
+        if all(n.startswith(prefix) and n[len(prefix) :] in wanted for n in names):
+            return prefix
+    missing = sorted(n for n in names if n not in wanted)[:3]
+    raise ConfigError(
+        f"the checkpoint's parameter names ({', '.join(missing)} ...) do not match the run's model in final/: "
+        "was the checkpoint written by this run?"
+    )
+
+
+def output_names(ckpt: ZeroCheckpoint, hf: HFModel | None) -> dict[str, str]:
+    """``{name in the export: name in the checkpoint}``, in the checkpoint's order.
+
+    Without a transformers model every tensor keeps its name and a shared (tied) parameter is written under
+    each of its names. With one, names lose the wrapper's prefix, keys the model does not save (non-persistent
+    buffers) are dropped, and tied parameters are written once: the config ties them again on load.
+    """
+    if hf is None:
+        names = {name: name for name in ckpt.tensors}
+        names.update(ckpt.aliases)
+        return names
+    wanted = set(hf.state_keys)
+    prefix = strip_prefix(ckpt.params, wanted)
+    names = {n[len(prefix) :]: n for n in ckpt.tensors if n.startswith(prefix) and n[len(prefix) :] in wanted}
+    missing = [k for k in hf.state_keys if k not in names and k not in hf.tied]
+    if missing:
+        raise ConfigError(f"the checkpoint lacks {len(missing)} tensors of the model in final/, e.g. {missing[:3]}")
+    return {k: v for k, v in names.items() if k not in hf.tied}
+
+
+# --- writing --------------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000 bytes (KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB of 2)."""
+    match = _SIZE.match(str(text))
+    if not match or (match.group(2) or "").upper() not in _UNITS:
+        raise ConfigError(f"--max-shard-size {text!r}: expected a size such as 500MB, 5GB or 2GiB")
+    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    if size < 1:
+        raise ConfigError(f"--max-shard-size {text!r}: must be positive")
+    return size
+
+
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Names grouped into shards of at most ``max_shard_bytes`` each, in order (a larger tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name, nbytes in sizes.items():
+        if shards[-1] and filled + nbytes > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += nbytes
+    return shards
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """Hugging Face's shard names: ``model-00001-of-00003.safetensors``."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an existing, non-empty output folder unless ``overwrite`` (it is replaced only after success)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ConfigError(f"{out_dir} exists and is not empty: pass --overwrite to replace it")
+
+
+def _copy_model_files(hf: HFModel, run_dir: Path, dest: Path, dtype: torch.dtype) -> None:
+    """Config, generation config and tokenizer next to the weights; the config names the export's dtype."""
+    for path in hf.folder.iterdir():
+        if path.is_file() and not WEIGHT_FILES.match(path.name):
+            shutil.copy2(path, dest / path.name)
+    tokenizer = run_dir / "tokenizer"
+    if not (dest / "tokenizer.json").exists() and tokenizer.is_dir():
+        for path in tokenizer.iterdir():
+            if path.is_file():
+                shutil.copy2(path, dest / path.name)
+    config = json.loads((dest / "config.json").read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def export_checkpoint(
+    source: str | Path,
+    out_dir: str | Path,
+    dtype: str = "fp32",
+    max_shard_size: str = "5GB",
+    overwrite: bool = False,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """Consolidate the ZeRO checkpoint at ``source`` into ``out_dir`` (safetensors shards + index).
+
+    The shards are written into ``.tmp-<name>`` next to ``out_dir`` and renamed into place at the end, so a
+    failure leaves no half export and an existing ``out_dir`` (with ``overwrite``) is replaced only then.
+
+    Returns:
+        what was written: ``out_dir``, stage, world size, tensor and shard counts, bytes, whether it is a
+        Hugging Face folder, the checkpoint's tag folder.
+    """
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    max_bytes = parse_size(max_shard_size)
+    check_out_dir(out_dir, overwrite)
+    ckpt = open_checkpoint(source)
+    hf = find_hf_model(ckpt.run_dir, trust_remote_code)
+    names = output_names(ckpt, hf)
+    out_dtype = DTYPES[dtype]
+
+    def out_bytes(name: str) -> int:
+        source = ckpt.tensors[names[name]]
+        element = torch.empty(
+            0, dtype=out_dtype if source.pieces[0].flat.is_floating_point() else source.pieces[0].flat.dtype
+        )
+        return source.numel * element.element_size()
+
+    sizes = {name: out_bytes(name) for name in names}
+    shards = plan_shards(sizes, max_bytes)
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # our own leftover from an interrupted export
+    tmp.mkdir(parents=True)
+    try:
+        weight_map = {}
+        bar = tqdm(total=len(names), desc="export", unit="tensor", disable=not progress, file=sys.stderr)
+        for index, shard in enumerate(shards):
+            file_name = shard_file_name(index, len(shards))
+            tensors = {}
+            for name in shard:
+                tensor = ckpt.tensors[names[name]].read()
+                tensors[name] = tensor.to(out_dtype) if tensor.is_floating_point() else tensor.clone()
+                weight_map[name] = file_name
+                bar.update()
+            save_file(tensors, str(tmp / file_name), metadata={"format": "pt"})
+            del tensors  # the shard is on disk: its memory goes before the next one is read
+        bar.close()
+        index_doc = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (tmp / INDEX_NAME).write_text(json.dumps(index_doc, indent=2, sort_keys=True) + "\n")
+        if hf is not None:
+            _copy_model_files(hf, ckpt.run_dir, tmp, out_dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return {
+        "out_dir": str(out_dir),
+        "checkpoint": str(ckpt.tag_dir),
+        "zero_stage": ckpt.stage,
+        "world_size": ckpt.world_size,
+        "ds_version": ckpt.ds_version,
+        "tensors": len(names),
+        "shards": len(shards),
+        "total_bytes": sum(sizes.values()),
+        "dtype": dtype,
+        "hugging_face": hf is not None,
+    }
+
+
+# --- verifying ------------------------------------------------------------------------------------
+
+
+def verify_export(source: str | Path, out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
+    """Reload the export and compare it with the sharded checkpoint.
+
+    Every tensor of the index is read back (one at a time) and compared with the checkpoint's, cast to the
+    export's dtype. For a transformers model, ``from_pretrained`` also loads the folder and its logits on a
+    fixed batch are compared with a model built from the config and given the checkpoint's tensors directly
+    (ties included): this checks names, tying and dtype as a user's loading sees them.
+
+    Returns:
+        ``max_abs_param_diff``, ``tensors_checked`` and, for a transformers model, ``max_abs_logit_diff``.
+    """
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    ckpt = open_checkpoint(source)
+    hf = find_hf_model(ckpt.run_dir)
+    names = output_names(ckpt, hf)
+    weight_map = json.loads((out_dir / INDEX_NAME).read_text())["weight_map"]
+    if set(weight_map) != set(names):
+        raise ConfigError(f"{out_dir / INDEX_NAME} does not list the checkpoint's tensors")
+    worst = 0.0
+    for name in tqdm(names, desc="verify", unit="tensor", disable=not progress, file=sys.stderr):
+        with safe_open(str(out_dir / weight_map[name]), framework="pt") as handle:
+            exported = handle.get_tensor(name)
+        expected = ckpt.tensors[names[name]].read().to(exported.dtype)
+        if exported.shape != expected.shape:
+            raise ConfigError(f"{name}: exported shape {tuple(exported.shape)} != checkpoint {tuple(expected.shape)}")
+        if exported.numel():
+            worst = max(worst, (exported.double() - expected.double()).abs().max().item())
+    result: dict[str, Any] = {"tensors_checked": len(names), "max_abs_param_diff": worst}
+    if hf is not None and (logit_diff := _compare_logits(ckpt, names, out_dir)) is not None:
+        result["max_abs_logit_diff"] = logit_diff
+    return result
+
+
+def example_inputs(config: Any) -> dict[str, torch.Tensor] | None:
+    """A fixed batch the model accepts: token ids for a language model, pixels for a vision model, else None."""
+    generator = torch.Generator().manual_seed(0)
+    if getattr(config, "vocab_size", None):
+        return {"input_ids": torch.randint(0, config.vocab_size, (2, 16), generator=generator)}
+    if getattr(config, "image_size", None) and getattr(config, "num_channels", None):
+        size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+        return {"pixel_values": torch.randn(2, config.num_channels, size, size, generator=generator)}
+    return None
+
+
+def _compare_logits(ckpt: ZeroCheckpoint, names: dict[str, str], out_dir: Path) -> float | None:
+    """Max |logits| difference: ``from_pretrained(out_dir)`` vs the config's model given the checkpoint's tensors."""
+    config, cls = model_class(out_dir)
+    inputs = example_inputs(config)
+    if inputs is None:
+        return None
+    loaded = cls.from_pretrained(str(out_dir), local_files_only=True).eval()
+    dtype = next(loaded.parameters()).dtype
+    reference = cls(config).to(dtype).eval()
+    state = {name: ckpt.tensors[source].read().to(dtype) for name, source in names.items()}
+    reference.load_state_dict(state, strict=False)
+    reference.tie_weights()
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    with torch.no_grad():
+        diff = loaded(**inputs).logits.float() - reference(**inputs).logits.float()
+    return diff.abs().max().item()
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``zero-recipes export``: consolidate, print what was written, optionally verify."""
+    result = export_checkpoint(
+        args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.overwrite, progress=not args.quiet
+    )
+    kind = "Hugging Face folder" if result["hugging_face"] else "safetensors shards + index"
+    print(
+        f"exported ZeRO-{result['zero_stage']} checkpoint {result['checkpoint']} (world size {result['world_size']}, "
+        f"DeepSpeed {result['ds_version']}): {result['tensors']} tensors, {result['total_bytes'] / 1e6:.1f} MB "
+        f"{result['dtype']} in {result['shards']} shard(s) -> {result['out_dir']} ({kind})"
+    )
+    if args.verify:
+        check = verify_export(args.checkpoint, args.out_dir, progress=not args.quiet)
+        line = f"verify: {check['tensors_checked']} tensors, max abs difference {check['max_abs_param_diff']:.3g}"
+        if "max_abs_logit_diff" in check:
+            line += (
+                f"; logits of from_pretrained vs the checkpoint: max abs difference {check['max_abs_logit_diff']:.3g}"
+            )
+        print(line)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``export`` to the ``zero-recipes`` command."""
+    export = subparsers.add_parser("export", help="consolidate a ZeRO 1/2/3 checkpoint into safetensors shards")
+    export.add_argument("checkpoint", help="run directory, checkpoints/step_XXXXXX folder, or DeepSpeed tag folder")
+    export.add_argument("out_dir", help="output folder (must be empty or absent unless --overwrite)")
+    export.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="floating-point dtype written")
+    export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 500MB, 5GB)")
+    export.add_argument("--verify", action="store_true", help="reload the export and compare it with the checkpoint")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir (after success)")
+    export.add_argument("--quiet", action="store_true", help="no progress bars")
+    export.set_defaults(func=cmd_export)

@@ -1,0 +1,132 @@
+"""``common.export``'s pure parts: where ZeRO puts each parameter's elements, shard planning, sizes, refusals.
+
+The layouts are checked against DeepSpeed's own arithmetic (``zero_to_fp32``'s partition sizes) on flat vectors
+built the way DeepSpeed partitions them; the whole export runs on real checkpoints in
+tests/recipes/test_export.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.errors import ConfigError
+from common.export import (
+    check_out_dir,
+    locate,
+    parse_size,
+    plan_shards,
+    span_pieces,
+    strip_prefix,
+    zero3_layout,
+    zero12_layout,
+)
+
+SHAPES = [
+    {"embed.weight": torch.Size([7, 3]), "layer.weight": torch.Size([5, 5]), "layer.bias": torch.Size([5])},
+    {"norm.weight": torch.Size([3]), "head.weight": torch.Size([11])},
+]
+
+
+def zero3_partitions(values: dict[str, torch.Tensor], world_size: int) -> list[torch.Tensor]:
+    """Each rank's flat vector as ZeRO-3 builds it: every parameter padded to a multiple of the world size, split."""
+    ranks: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    for tensor in values.values():
+        flat = tensor.reshape(-1)
+        padded = torch.cat([flat, flat.new_zeros((-flat.numel()) % world_size)])
+        for rank, part in enumerate(padded.chunk(world_size)):
+            ranks[rank].append(part)
+    return [torch.cat(parts) for parts in ranks]
+
+
+def shaped_values(shapes: list[dict[str, torch.Size]]) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {name: torch.randn(shape) for group in shapes for name, shape in group.items()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_zero3_layout_reassembles_every_parameter(world_size):
+    from deepspeed.utils.zero_to_fp32 import zero3_partitioned_param_info
+
+    values = shaped_values(SHAPES)
+    flats = zero3_partitions(values, world_size)
+    layout = zero3_layout(SHAPES, world_size)
+    assert list(layout) == list(values)
+    for name, (offset, partition) in layout.items():
+        assert partition == zero3_partitioned_param_info(values[name].numel(), world_size)[0]
+        whole = torch.cat([flat[offset : offset + partition] for flat in flats])[: values[name].numel()]
+        assert torch.equal(whole.view(values[name].shape), values[name]), name
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("with_paddings", [False, True])
+def test_zero12_layout_and_span_pieces_reassemble_across_rank_boundaries(world_size, with_paddings):
+    values = shaped_values(SHAPES)
+    paddings = [[1, 0, 2], [0, 3]] if with_paddings else None
+    layout, ends = zero12_layout(SHAPES, paddings)
+    for group, shapes in enumerate(SHAPES):
+        # ZeRO-1/2 keep one vector per group (parameters + alignment paddings), padded and cut into equal parts.
+        pieces = []
+        for i, name in enumerate(shapes):
+            pieces += [values[name].reshape(-1), torch.zeros(paddings[group][i] if paddings else 0)]
+        vector = torch.cat(pieces)
+        assert ends[group] == vector.numel()
+        vector = torch.cat([vector, torch.zeros((-vector.numel()) % (2 * world_size))])
+        partitions = list(vector.chunk(world_size))
+        lengths = [p.numel() for p in partitions]
+        for name, shape in shapes.items():
+            assert layout[name][0] == group
+            runs = span_pieces(lengths, layout[name][1], math.prod(shape))
+            whole = torch.cat([partitions[r][s : s + n] for r, s, n in runs])
+            assert torch.equal(whole.view(shape), values[name]), name
+
+
+def test_span_pieces_cuts_at_the_boundaries():
+    assert span_pieces([4, 4, 4], 3, 6) == [(0, 3, 1), (1, 0, 4), (2, 0, 1)]
+    assert span_pieces([4, 4], 4, 4) == [(1, 0, 4)]
+    assert span_pieces([4, 0, 4], 2, 4) == [(0, 2, 2), (2, 0, 2)]
+
+
+def test_plan_shards_keeps_order_and_the_limit():
+    sizes = {"a": 40, "b": 40, "c": 30, "big": 500, "d": 10}
+    assert plan_shards(sizes, 100) == [["a", "b"], ["c"], ["big"], ["d"]]
+    assert plan_shards(sizes, 10_000) == [list(sizes)]
+    for shard in plan_shards(sizes, 100):
+        assert sum(sizes[n] for n in shard) <= 100 or len(shard) == 1
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("500MB") == 500 * 10**6
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1.5gb") == 1_500_000_000
+    assert parse_size("1234") == 1234
+    for bad in ("five", "5XB", "-1GB", "0"):
+        with pytest.raises(ConfigError, match="max-shard-size"):
+            parse_size(bad)
+
+
+def test_strip_prefix_finds_the_lightning_wrapper_and_refuses_a_foreign_model():
+    wanted = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    assert strip_prefix(["model.model.embed_tokens.weight", "model.lm_head.weight"], wanted) == "model."
+    assert strip_prefix(["model.embed_tokens.weight", "lm_head.weight"], wanted) == ""
+    with pytest.raises(ConfigError, match="do not match the run's model"):
+        strip_prefix(["encoder.conv.weight"], wanted)
+
+
+def test_out_dir_refusal_and_not_a_checkpoint(tmp_path):
+    check_out_dir(tmp_path / "absent", overwrite=False)
+    (tmp_path / "empty").mkdir()
+    check_out_dir(tmp_path / "empty", overwrite=False)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not empty: pass --overwrite"):
+        check_out_dir(tmp_path / "full", overwrite=False)
+    check_out_dir(tmp_path / "full", overwrite=True)
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    with pytest.raises(ConfigError, match="not a DeepSpeed ZeRO checkpoint: expected a run directory"):
+        locate(tmp_path / "full")
+    with pytest.raises(ConfigError, match="does not exist"):
+        locate(tmp_path / "absent")
