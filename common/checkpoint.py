@@ -3,7 +3,8 @@
 Crash safety: every rank writes its shards into ``checkpoints/.tmp-step_000100/``; after a barrier
 rank 0 renames it to ``checkpoints/step_000100/`` and only then rewrites the ``latest`` file (itself
 through a temporary file and ``os.replace``). A crash at any point leaves ``latest`` naming a
-complete checkpoint.
+complete checkpoint. A ``.tmp-step_*`` folder left by a crash is never read (only ``latest`` is) and
+is deleted by the next publish or resume (:func:`clean_partial_checkpoints`).
 
 Whole weights: under ZeRO-3 every rank holds 1/N of each parameter. :func:`gather_full_state_dict`
 gathers one parameter at a time (``deepspeed.zero.GatheredParameters``), so the peak is the state
@@ -56,7 +57,17 @@ def publish_checkpoint(out_dir: str | Path, step: int, keep_last: int = 2) -> Pa
     for old in steps[:-keep_last] if keep_last > 0 else []:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
+    clean_partial_checkpoints(out_dir)
     return final
+
+
+def clean_partial_checkpoints(out_dir: str | Path) -> list[Path]:
+    """Rank 0, while no rank is saving: delete ``.tmp-step_*`` folders a crash left half written; return them."""
+    root = Path(out_dir) / CHECKPOINTS
+    partial = sorted(root.glob(".tmp-step_*")) if root.is_dir() else []
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:

@@ -22,6 +22,8 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 
+from common.resume import param_groups_kept
+
 # The Lightning versions this subclass is tested against; pyproject pins the same range.
 TESTED_LIGHTNING = (">=2.5", "<2.7")
 
@@ -49,6 +51,14 @@ class ZeroDeepSpeedStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         self._init_deepspeed_distributed()
         return None
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # ZeRO-3 universal loads give every param group the settings of group 0 (common.resume.param_groups_kept).
+        optimizer = getattr(self.deepspeed_engine, "optimizer", None)
+        if optimizer is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        with param_groups_kept(optimizer):
+            return super().load_checkpoint(checkpoint_path, weights_only)
 
     def _device_rank(self) -> int | None:
         index = self.root_device.index

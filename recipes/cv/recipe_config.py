@@ -54,6 +54,7 @@ class CVConfig:
     devices: int = 0  # 0: every GPU, or 2 CPU processes without a GPU (Lightning; Accelerate takes its launcher's)
     num_nodes: int = 1
     seed: int = 0  # weights, data order and stochastic depth
+    collective_timeout_s: int = 900  # a rank waiting this long in a collective fails: a dead rank stops the others
     # --- DeepSpeed ---
     preset: str = "cv"  # ZeRO-2, overlap_comm, contiguous gradients, buckets scaled to the model (zero-recipes ls)
     precision: str = "bf16"  # bf16, fp16 or fp32 (fp32: exact arithmetic, used by the resume test)
@@ -92,6 +93,7 @@ class CVConfig:
             "eval_interval",
             "checkpoint_interval",
             "log_interval",
+            "collective_timeout_s",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -156,19 +158,12 @@ def check_out_dir(cfg: CVConfig) -> None:
         )
 
 
-def resume_point(cfg: CVConfig) -> tuple[Path | None, int]:
-    """(checkpoint to resume from, its step); (None, 0) for a new run. A resume needs steps left to train."""
-    from common.checkpoint import checkpoint_step, latest_checkpoint
+def resume_point(cfg: CVConfig, world_size: int) -> Any:
+    """The :class:`common.resume.ResumePoint` of ``resume=true`` (None for a new run), checked before any work:
+    refuses a config that differs from the run's, no complete checkpoint, no steps left."""
+    from common.resume import find_resume_point
 
-    if not cfg.resume:
-        return None, 0
-    latest = latest_checkpoint(cfg.out_dir)
-    if latest is None:
-        raise ConfigError(f"resume=true but {cfg.out_dir}/checkpoints holds no complete checkpoint")
-    step = checkpoint_step(latest)
-    if step >= cfg.max_steps:
-        raise ConfigError(f"{latest} is at step {step}, max_steps is {cfg.max_steps}: raise max_steps to train on")
-    return latest, step
+    return find_resume_point(cfg.out_dir, config_to_dict(cfg), world_size) if cfg.resume else None
 
 
 # --- data ----------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ config.yaml, ds_config.json, env.json, metrics.jsonl, tb/, checkpoints/, final/ 
 from __future__ import annotations
 
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -53,7 +54,9 @@ from recipe_config import (  # next to this script
 )
 
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.config import config_to_dict
 from common.errors import exit_on_user_error
+from common.resume import mark_universal, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir
 from common.strategy import lightning_trainer_kwargs, make_optimizer
 from cv.data import DataError
@@ -71,6 +74,7 @@ class ImageClassifier(L.LightningModule):
         super().__init__()
         self.cfg, self.run = cfg, run
         self.model = run["model"]
+        mark_universal(self)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
         self.micro_losses: list[torch.Tensor] = []  # this optimizer step's micro-batches
         self.step_losses: list[torch.Tensor] = []  # steps since the last log line
         self.last_step = run["start_step"]
@@ -172,15 +176,19 @@ def main() -> None:
     rank0, out_dir = is_launcher_rank_zero(), Path(cfg.out_dir)
     if rank0:
         check_out_dir(cfg)  # refuses an existing out_dir before any work
-    latest, start_step = resume_point(cfg)
+    resume = resume_point(cfg, world_size)  # different model or config, no complete checkpoint: refused here
+    start_step = resume.step if resume else 0
     ds_config = resolve_ds_config(cfg, world_size)  # bad preset or DeepSpeed key: refused before any work
     data = load_data(cfg, world_size)  # empty folder, corrupt image, too few images: refused here
     model = build_model(cfg, data)  # class-count or image-size mismatch with model=: refused here
     if rank0:
         prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
         write_run_files(cfg, out_dir, ds_config, data, world_size, "gpu" if on_gpu else "cpu")
+        if resume:  # before Lightning starts ranks 1..: they find a universal conversion in place
+            prepare_resume(resume, config_to_dict(cfg))
 
     run = {"model": model, "data": data, "ds_config": ds_config, "start_step": start_step, "clock": clock}
+    load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=devices,
@@ -191,9 +199,9 @@ def main() -> None:
         enable_checkpointing=False,  # checkpoints are saved and published by the module
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        **lightning_trainer_kwargs(ds_config),
+        **lightning_trainer_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s)),
     )
-    trainer.fit(ImageClassifier(cfg, run), ckpt_path=str(latest) if latest else None)
+    trainer.fit(ImageClassifier(cfg, run), ckpt_path=str(resume.load_path) if resume else None)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ processes; the script resolves its own DeepSpeed dict from the config and the la
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -45,7 +46,9 @@ from recipe_config import (  # next to this script
 from tqdm.auto import tqdm
 
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.config import config_to_dict
 from common.errors import exit_on_user_error
+from common.resume import mark_universal, param_groups_kept, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, prepare_run_dir
 from common.strategy import accelerator_kwargs, make_optimizer
 from cv.data import DataError
@@ -61,16 +64,21 @@ def main() -> None:
     out_dir, main_process = Path(cfg.out_dir), int(os.environ.get("RANK", 0)) == 0
     if main_process:
         check_out_dir(cfg)  # refuses an existing out_dir before any work
-    latest, start_step = resume_point(cfg)
+    resume = resume_point(cfg, world_size)  # different model or config, no complete checkpoint: refused here
+    start_step = resume.step if resume else 0
     ds_config = resolve_ds_config(cfg, world_size)  # bad preset or DeepSpeed key: refused before any work
     data = load_data(cfg, world_size)  # empty folder, corrupt image, too few images: refused here
     model = build_model(cfg, data)  # class-count or image-size mismatch with model=: refused here
+    mark_universal(model)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
 
-    accelerator = Accelerator(**accelerator_kwargs(ds_config))
+    load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
+    accelerator = Accelerator(**accelerator_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s)))
     rank, device = accelerator.process_index, accelerator.device
     if accelerator.is_main_process:
         prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
         write_run_files(cfg, out_dir, ds_config, data, world_size, device.type)
+        if resume:  # the other ranks wait below (a universal conversion counts against collective_timeout_s)
+            prepare_resume(resume, config_to_dict(cfg))
     accelerator.wait_for_everyone()
 
     optimizer = make_optimizer(
@@ -82,8 +90,9 @@ def main() -> None:
     accelerator.register_for_checkpointing(scheduler)
     # The DataLoader is not prepared either: StepSampler already gives each rank its slice (exact on resume).
     engine, optimizer = accelerator.prepare(model, optimizer)
-    if latest is not None:
-        accelerator.load_state(str(latest))  # DeepSpeed shards and optimizer, the scheduler
+    if resume is not None:
+        with param_groups_kept(optimizer):  # DeepSpeed's ZeRO-3 universal load flattens the groups' settings
+            accelerator.load_state(str(resume.load_path))  # DeepSpeed shards and optimizer, the scheduler
     loader = train_loader(data, cfg, rank, world_size, start_step)
     net = accelerator.unwrap_model(engine)
 

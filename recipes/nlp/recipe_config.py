@@ -58,6 +58,7 @@ class NLPConfig:
     devices: int = 0  # 0: every GPU, or 2 CPU processes without a GPU (Lightning; Accelerate takes its launcher's)
     num_nodes: int = 1
     seed: int = 0
+    collective_timeout_s: int = 900  # a rank waiting this long in a collective fails: a dead rank stops the others
     # --- DeepSpeed ---
     preset: str = "nlp"  # ZeRO-3, stage3_param_persistence_threshold 1e6 (zero-recipes ls)
     precision: str = "bf16"  # bf16, fp16 or fp32 (fp32: exact arithmetic, used by the resume test)
@@ -93,7 +94,7 @@ class NLPConfig:
 
     def __post_init__(self) -> None:
         positive = "max_steps num_nodes micro_batch_size grad_accum seq_len vocab_size eval_interval log_interval"
-        positive += " checkpoint_interval"
+        positive += " checkpoint_interval collective_timeout_s"
         for name in positive.split():
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -22,6 +22,7 @@ summary.json. ``resume=true`` continues from checkpoints/latest.
 from __future__ import annotations
 
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -56,15 +57,11 @@ from recipe_config import (
 )
 
 from common.accounting import model_state_bytes
-from common.checkpoint import (
-    checkpoint_step,
-    gather_full_state_dict,
-    latest_checkpoint,
-    publish_checkpoint,
-    tmp_checkpoint_dir,
-)
-from common.errors import ConfigError, exit_on_user_error
+from common.checkpoint import gather_full_state_dict, publish_checkpoint, tmp_checkpoint_dir
+from common.config import config_to_dict
+from common.errors import exit_on_user_error
 from common.metrics import gpu_peak_flops, mfu, peak_memory_bytes, throughput
+from common.resume import find_resume_point, mark_universal, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, write_json_atomic
 from common.strategy import lightning_trainer_kwargs, make_optimizer, zero_stage
 from nlp.data import DataError
@@ -83,6 +80,7 @@ class CausalLM(L.LightningModule):
         super().__init__()
         self.cfg, self.run = cfg, run
         self.model = None  # built in configure_model, inside ZeRO-3's partitioned construction
+        mark_universal(self)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
         self.losses: list[torch.Tensor] = []
         self.clock = Clock()
         self.log_file = MetricsLog(cfg.out_dir, enabled=is_launcher_rank_zero())
@@ -245,6 +243,9 @@ def main() -> None:
     out_dir = Path(cfg.out_dir)
     if rank0:
         check_out_dir(cfg)
+    # A different model or config, no complete checkpoint: refused here; another world size: a universal checkpoint.
+    resume = find_resume_point(out_dir, config_to_dict(cfg), world_size) if cfg.resume else None
+    start_step = resume.step if resume else 0
     trained_tokenizer = tokenizer_source(cfg, trained_here=False) is None
     data = load_data(cfg, tokenizer_source(cfg, trained_here=cfg.resume or not rank0), world_size)
     config = model_config(cfg, data.tokenizer)
@@ -256,10 +257,8 @@ def main() -> None:
             cfg, out_dir, ds_config, data, world_size, "gpu" if on_gpu else "cpu", trained_tokenizer and not cfg.resume
         )
         print(f"data: {data.info()}", flush=True)
-    latest = latest_checkpoint(out_dir) if cfg.resume else None
-    if cfg.resume and latest is None:
-        raise ConfigError(f"resume=true but {out_dir}/checkpoints holds no complete checkpoint")
-    start_step = checkpoint_step(latest) if latest else 0
+        if resume:  # before Lightning starts ranks 1..: they find a universal conversion in place
+            prepare_resume(resume, config_to_dict(cfg))
 
     hf_ds_config = None
     if zero_stage(ds_config) == 3:  # kept alive until the end: transformers then builds and loads sharded
@@ -287,9 +286,12 @@ def main() -> None:
         enable_model_summary=False,  # under ZeRO-3 it would count empty shards; the memory plan says more
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        **lightning_trainer_kwargs(ds_config),
+        **lightning_trainer_kwargs(
+            with_universal_load(ds_config) if resume and resume.universal else ds_config,
+            timeout=timedelta(seconds=cfg.collective_timeout_s),
+        ),
     )
-    trainer.fit(module, ckpt_path=str(latest) if latest else None)
+    trainer.fit(module, ckpt_path=str(resume.load_path) if resume else None)
 
     if trainer.is_global_zero and "summary" in module.facts:
         result = module.facts["summary"]

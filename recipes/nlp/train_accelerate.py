@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -54,15 +55,17 @@ from recipe_config import (
 from tqdm.auto import tqdm
 
 from common.accounting import model_state_bytes
-from common.checkpoint import (
-    checkpoint_step,
-    gather_full_state_dict,
-    latest_checkpoint,
-    publish_checkpoint,
-    tmp_checkpoint_dir,
-)
-from common.errors import ConfigError, exit_on_user_error
+from common.checkpoint import gather_full_state_dict, publish_checkpoint, tmp_checkpoint_dir
+from common.config import config_to_dict
+from common.errors import exit_on_user_error
 from common.metrics import gpu_peak_flops, mfu, peak_memory_bytes, throughput
+from common.resume import (
+    find_resume_point,
+    mark_universal,
+    param_groups_kept,
+    prepare_resume,
+    with_universal_load,
+)
 from common.rundir import MetricsLog, prepare_run_dir, write_json_atomic
 from common.strategy import accelerator_kwargs, make_optimizer
 from nlp.data import DataError
@@ -89,10 +92,14 @@ def main() -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     check_out_dir(cfg)  # every rank sees the same folder, so every rank stops with the same one-line error
+    # A different model or config, no complete checkpoint: refused here; another world size: a universal checkpoint.
+    resume = find_resume_point(out_dir, config_to_dict(cfg), world_size) if cfg.resume else None
+    start_step = resume.step if resume else 0
 
     # --- DeepSpeed through Accelerate: the factory's dict, with ZeRO-3's partitioned construction turned on ---
     ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
-    accelerator = Accelerator(**accelerator_kwargs(ds_config))
+    load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
+    accelerator = Accelerator(**accelerator_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s)))
     rank, device, main_process = accelerator.process_index, accelerator.device, accelerator.is_main_process
     if cfg.devices not in (0, world_size) and main_process:
         print(f"note: devices={cfg.devices} is Lightning's; accelerate launched {world_size} process(es)")
@@ -106,11 +113,14 @@ def main() -> None:
             trained = trained_tokenizer and not cfg.resume
             write_run_files(cfg, out_dir, ds_config, data, world_size, device.type, trained)
             print(f"data: {data.info()}", flush=True)
+            if resume:  # a universal conversion counts against collective_timeout_s for the waiting ranks
+                prepare_resume(resume, config_to_dict(cfg))
 
     # --- model: built inside zero.Init (the plugin's zero3_init_flag), so no rank holds it whole ---
     config = model_config(cfg, data.tokenizer)
     attention = resolve_attention(cfg.attention, device.type, DTYPES[cfg.precision])
     model = build_model(cfg, config, attention)
+    mark_universal(model)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
     held = held_param_elements(model)
     plan = memory_plan(param_sizes(model), ds_config, world_size)
     if main_process:
@@ -125,14 +135,9 @@ def main() -> None:
     restore_fp32_rope(engine.module)  # a no-op here (transformers' own zero.Init keeps RoPE in fp32); see train.py
     accelerator.register_for_checkpointing(scheduler)
 
-    start_step = 0
-    if cfg.resume:
-        latest = latest_checkpoint(out_dir)
-        if latest is None:
-            raise ConfigError(f"resume=true but {out_dir}/checkpoints holds no complete checkpoint")
-        accelerator.load_state(str(latest))
-        start_step = checkpoint_step(latest)
-        accelerator.print(f"resumed from {latest} (step {start_step})")
+    if resume:
+        with param_groups_kept(optimizer):  # DeepSpeed's ZeRO-3 universal load flattens the groups' settings
+            accelerator.load_state(str(resume.load_path))
     # Not prepared: StepSampler already gives each rank its slice, in an order fixed by (seed, step).
     loader = train_loader(data, cfg, rank, world_size, start_step)
     val_batches = eval_batches(data, cfg, rank, world_size)

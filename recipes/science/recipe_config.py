@@ -33,7 +33,7 @@ PRECISIONS = ("bf16", "fp32")
 # fmt: off
 POSITIVE_KEYS = ("max_steps", "num_nodes", "micro_batch_size", "grad_accum", "modes", "width", "n_layers", "proj_width",
                  "n_train", "grid_size", "solve_grid", "data_workers", "superres_factor", "eval_interval",
-                 "checkpoint_interval", "log_interval")
+                 "checkpoint_interval", "log_interval", "collective_timeout_s")
 # fmt: on
 
 
@@ -67,6 +67,7 @@ class ScienceConfig:
     devices: int = 0  # 0: every GPU, or 2 CPU processes without a GPU (Lightning; Accelerate takes its launcher's)
     num_nodes: int = 1
     seed: int = 0
+    collective_timeout_s: int = 900  # a rank waiting this long in a collective fails: a dead rank stops the others
     # --- DeepSpeed ---
     preset: str = "science"  # ZeRO-2, bf16, round_robin_gradients (zero-recipes ls)
     precision: str = "bf16"  # bf16 or fp32; fp16 is refused (guide 2, 7.3)
@@ -424,13 +425,18 @@ def finish(
         facts.update(val_rel_l2_superres=fine["error"], superres_grid_size=fine["x_test"].shape[-1])
     state_bytes = model_state_bytes(engine)  # after the last step: ZeRO has released the gradients
     weights = gather_full_state_dict(net, rank)  # collective (a gather per parameter under ZeRO-3)
+    # Every forward below runs on every rank, even though only rank 0 writes the results: under ZeRO-3 a
+    # forward all-gathers each layer's weights, a collective that hangs or fails if rank 0 runs it alone.
+    preds = predict(net, x_test[:3]).cpu()
+    fine_preds = predict(net, fine["x_test"][:3]).cpu() if fine is not None else None
+    precision = precision_report(net, x_test[:2])
     if rank != 0:
         return None
     export_model(weights, cfg, out_dir)
     if fine is not None:
-        preds = predict(net, fine["x_test"][:3]).cpu()
-        fine = {"x_test": fine["x_test"].cpu(), "y_test": fine["y_test"].cpu(), "error": fine["error"], "preds": preds}
-    write_figures(out_dir, x_test.cpu(), y_test.cpu(), predict(net, x_test[:3]).cpu(), error, fine)
+        fine = {"x_test": fine["x_test"].cpu(), "y_test": fine["y_test"].cpu(), "error": fine["error"]}
+        fine["preds"] = fine_preds
+    write_figures(out_dir, x_test.cpu(), y_test.cpu(), preds, error, fine)
     seconds = clock.step_seconds[5:] if len(clock.step_seconds) > 10 else clock.step_seconds  # skip start-up
     per_device = cfg.micro_batch_size * cfg.grad_accum / median(seconds) if seconds else None
     report = {
@@ -445,7 +451,7 @@ def finish(
         "round_robin_gradients": bool(ds_config["zero_optimization"].get("round_robin_gradients", False)),
         "world_size": world_size,
         "precision": precision_of(ds_config),
-        **precision_report(net, x_test[:2]),
+        **precision,
         "data": cfg.data,
         "viscosity": cfg.viscosity if cfg.data == "burgers" else None,
         "grid_size": x_test.shape[-1],

@@ -22,6 +22,7 @@ paper's relative L2 error on held-out pairs, and the model is also tested zero-s
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -41,13 +42,10 @@ from recipe_config import (  # next to this script
     write_run_files,
 )
 
-from common.checkpoint import (
-    checkpoint_step,
-    latest_checkpoint,
-    publish_checkpoint,
-    tmp_checkpoint_dir,
-)
-from common.errors import ConfigError, exit_on_user_error
+from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.config import config_to_dict
+from common.errors import exit_on_user_error
+from common.resume import find_resume_point, mark_universal, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir
 from common.strategy import lightning_trainer_kwargs, make_optimizer
 from science.burgers import DataError
@@ -63,6 +61,7 @@ class BurgersFNO(L.LightningModule):
         super().__init__()
         self.cfg, self.out_dir, self.start_step, self.clock = cfg, out_dir, start_step, clock
         self.net = build_model(cfg)
+        mark_universal(self)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
         # Plain attributes, not buffers: DeepSpeed casts buffers to bf16, and the data must stay fp32.
         self.data, self.superres = data, superres
         self.metrics = MetricsLog(out_dir, enabled=False)
@@ -172,10 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     rank_zero = is_launcher_rank_zero()
     if rank_zero and (cfg.resume or (out_dir.exists() and not cfg.overwrite)):
         prepare_run_dir(out_dir, resume=cfg.resume)  # refuses an existing out_dir before any work
-    latest = latest_checkpoint(out_dir) if cfg.resume else None
-    if cfg.resume and latest is None:
-        raise ConfigError(f"resume=true but {out_dir}/checkpoints has no complete checkpoint")
-    start_step = checkpoint_step(latest) if latest else 0
+    # A different model or config, no complete checkpoint: refused here; another world size: a universal checkpoint.
+    resume = find_resume_point(out_dir, config_to_dict(cfg), world_size) if cfg.resume else None
+    start_step = resume.step if resume else 0
 
     data = load_data(cfg, workers=cfg.data_workers if rank_zero else 1)
     superres = None
@@ -184,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     if rank_zero:
         prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
         write_run_files(out_dir, cfg, ds_config, world_size)
+        if resume:  # before Lightning starts ranks 1..: they find a universal conversion in place
+            prepare_resume(resume, config_to_dict(cfg))
 
     module = BurgersFNO(cfg, data, superres, out_dir, start_step, clock)
     trainer = L.Trainer(
@@ -194,9 +194,12 @@ def main(argv: list[str] | None = None) -> None:
         logger=False,  # metrics.jsonl + TensorBoard come from common.rundir.MetricsLog
         enable_checkpointing=False,  # checkpoints are saved and published in on_train_batch_end
         use_distributed_sampler=False,  # StepSampler shards the data: exact resume, same order as Accelerate
-        **lightning_trainer_kwargs(ds_config),
+        **lightning_trainer_kwargs(
+            with_universal_load(ds_config) if resume and resume.universal else ds_config,
+            timeout=timedelta(seconds=cfg.collective_timeout_s),
+        ),
     )
-    trainer.fit(module, ckpt_path=str(latest) if latest else None)
+    trainer.fit(module, ckpt_path=str(resume.load_path) if resume else None)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ processes; the script resolves its own DeepSpeed dict from the config and the la
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -37,8 +38,16 @@ from recipe_config import (  # next to this script
 )
 from tqdm.auto import tqdm
 
-from common.checkpoint import checkpoint_step, latest_checkpoint, publish_checkpoint, tmp_checkpoint_dir
-from common.errors import ConfigError, exit_on_user_error
+from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.config import config_to_dict
+from common.errors import exit_on_user_error
+from common.resume import (
+    find_resume_point,
+    mark_universal,
+    param_groups_kept,
+    prepare_resume,
+    with_universal_load,
+)
 from common.rundir import MetricsLog, prepare_run_dir
 from common.strategy import accelerator_kwargs, make_optimizer
 from science.burgers import DataError
@@ -51,15 +60,15 @@ def main(argv: list[str] | None = None) -> None:
     clock = Clock()
     set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     ds_config = resolve_ds_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fp16, bad keys: refused here
-    accelerator = Accelerator(**accelerator_kwargs(ds_config))
-    rank, world_size, main_process = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    out_dir = Path(cfg.out_dir)
-    if main_process and (cfg.resume or (out_dir.exists() and not cfg.overwrite)):
+    out_dir, world_size = Path(cfg.out_dir), int(os.environ.get("WORLD_SIZE", 1))
+    if int(os.environ.get("RANK", 0)) == 0 and (cfg.resume or (out_dir.exists() and not cfg.overwrite)):
         prepare_run_dir(out_dir, resume=cfg.resume)  # refuses an existing out_dir before any work
-    latest = latest_checkpoint(out_dir) if cfg.resume else None
-    if cfg.resume and latest is None:
-        raise ConfigError(f"resume=true but {out_dir}/checkpoints has no complete checkpoint")
-    start_step = checkpoint_step(latest) if latest else 0
+    # A different model or config, no complete checkpoint: refused here; another world size: a universal checkpoint.
+    resume = find_resume_point(out_dir, config_to_dict(cfg), world_size) if cfg.resume else None
+    start_step = resume.step if resume else 0
+    load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
+    accelerator = Accelerator(**accelerator_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s)))
+    rank, main_process = accelerator.process_index, accelerator.is_main_process
 
     # The main process generates (and caches) the data first; the others then read the cache.
     with accelerator.main_process_first():
@@ -70,12 +79,15 @@ def main(argv: list[str] | None = None) -> None:
     if main_process:
         prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
         write_run_files(out_dir, cfg, ds_config, world_size)
+        if resume:  # the other ranks wait below (a universal conversion counts against collective_timeout_s)
+            prepare_resume(resume, config_to_dict(cfg))
     accelerator.wait_for_everyone()
     for key in ("x_train", "y_train", "x_test", "y_test"):
         data[key] = data[key].to(accelerator.device)  # fp32: DeepSpeed bf16 casts the model, not the data
     x_train, y_train = data["x_train"], data["y_train"]
 
     net = build_model(cfg)
+    mark_universal(net)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
     betas = (0.9, 0.999)  # the paper's Adam
     optimizer = make_optimizer(net.parameters(), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=betas)
     # Not prepared: a prepared scheduler steps once per *process* per optimizer step (Accelerate counts
@@ -84,8 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     accelerator.register_for_checkpointing(scheduler)
     # The DataLoader is not prepared either: StepSampler already gives each rank its slice (exact on resume).
     model, optimizer = accelerator.prepare(net, optimizer)
-    if latest is not None:
-        accelerator.load_state(str(latest))  # DeepSpeed shards and optimizer, the scheduler, RNG
+    if resume is not None:
+        with param_groups_kept(optimizer):  # DeepSpeed's ZeRO-3 universal load flattens the groups' settings
+            accelerator.load_state(str(resume.load_path))  # DeepSpeed shards and optimizer, the scheduler, RNG
     loader = train_loader(len(x_train), cfg, rank, world_size, start_step)
 
     metrics = MetricsLog(out_dir, enabled=main_process)
