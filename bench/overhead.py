@@ -99,11 +99,17 @@ def overhead_table(rows: dict[str, dict]) -> str:
     return "\n".join(lines) + f"\n\n({note}; each rep launches a fresh process group per backend.)"
 
 
-def area_of(filename: str) -> str:
+def area_of(filename: str, func: str = "") -> str:
+    if filename == "~":  # a C function: name it by what it belongs to
+        if "c10d" in func or "wait" in func:
+            return "collectives (gloo) + waiting"
+        if "torch" in func or "run_backward" in func:
+            return "torch C++ ops (forward, backward, Adam)"
+        return "python builtins"
     for area, needles in AREAS:
         if any(n in filename for n in needles):
             return area
-    return "other (python, builtins)"
+    return "other python (stdlib, site-packages)"
 
 
 def breakdown(profile: Path, timed_steps: int) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
@@ -112,7 +118,7 @@ def breakdown(profile: Path, timed_steps: int) -> tuple[dict[str, float], list[t
     areas: dict[str, float] = {}
     framework = []
     for (filename, line, func), (_, ncalls, tottime, _, _) in stats.items():
-        area = area_of(filename)
+        area = area_of(filename, func)
         areas[area] = areas.get(area, 0.0) + tottime * 1e3 / timed_steps
         if area in ("lightning", "accelerate", "deepspeed") or "{method 'item'" in func or "all_reduce" in func:
             where = filename.split("site-packages/")[-1]
