@@ -77,20 +77,20 @@ def load_structure(path: Path) -> dict[str, Any]:
         raise ConfigError(f"corrupt or unreadable checkpoint shard: {path} ({reason})") from None
 
 
-def read_slice(path: Path, flat: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """Elements ``start:start+length`` of the meta tensor ``flat`` (1-D), read from ``path`` into a new CPU tensor.
+def read_into(path: Path, flat: torch.Tensor, start: int, out: torch.Tensor) -> None:
+    """Fill ``out`` with elements ``start:start+out.numel()`` of the meta tensor ``flat`` (1-D), read from ``path``.
 
     torch writes each storage uncompressed into its zip file; a meta tensor loaded from it keeps the storage's
-    byte offset (``_checkpoint_offset``), so the slice is one ``readinto`` of exactly its bytes.
+    byte offset (``_checkpoint_offset``), so the slice is one ``readinto`` of exactly its bytes, straight into
+    the output tensor's memory.
     """
     itemsize = flat.element_size()
     offset = flat.untyped_storage()._checkpoint_offset + (flat.storage_offset() + start) * itemsize
-    buffer = bytearray(length * itemsize)
+    target = out.view(torch.uint8).numpy()
     with open(path, "rb") as handle:
         handle.seek(offset)
-        if handle.readinto(buffer) != len(buffer):
+        if handle.readinto(target) != target.nbytes:
             raise ConfigError(f"corrupt checkpoint shard: {path} ends before the tensor data it lists")
-    return torch.frombuffer(buffer, dtype=flat.dtype) if buffer else torch.empty(0, dtype=flat.dtype)
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,13 @@ class TensorSource:
         return math.prod(self.shape)
 
     def read(self) -> torch.Tensor:
-        """The tensor, read from disk (its source dtype)."""
-        parts = [read_slice(p.file, p.flat, p.start, p.length) for p in self.pieces]
-        return (torch.cat(parts) if len(parts) > 1 else parts[0])[: self.numel].view(self.shape)
+        """The tensor, read from disk in its saved dtype: one allocation, each piece read into its place."""
+        whole = torch.empty(sum(p.length for p in self.pieces), dtype=self.pieces[0].flat.dtype)
+        position = 0
+        for piece in self.pieces:
+            read_into(piece.file, piece.flat, piece.start, whole[position : position + piece.length])
+            position += piece.length
+        return whole[: self.numel].view(self.shape)
 
 
 # --- where the elements of each parameter lie (pure functions of the saved shapes) ----------------
@@ -524,11 +528,8 @@ def export_checkpoint(
     out_dtype = DTYPES[dtype]
 
     def out_bytes(name: str) -> int:
-        source = ckpt.tensors[names[name]]
-        element = torch.empty(
-            0, dtype=out_dtype if source.pieces[0].flat.is_floating_point() else source.pieces[0].flat.dtype
-        )
-        return source.numel * element.element_size()
+        flat = ckpt.tensors[names[name]].pieces[0].flat
+        return ckpt.tensors[names[name]].numel * (out_dtype if flat.is_floating_point() else flat.dtype).itemsize
 
     sizes = {name: out_bytes(name) for name in names}
     shards = plan_shards(sizes, max_bytes)

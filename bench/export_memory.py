@@ -1,0 +1,192 @@
+"""Peak host memory of ``zero-recipes export`` vs DeepSpeed's ``zero_to_fp32`` on the same ZeRO-3 checkpoint.
+
+    flock /tmp/zr-cpu.lock python bench/export_memory.py                  # ~218M-parameter Llama, ~5 min
+    python bench/export_memory.py --hidden-size 256 --layers 2 --vocab 4096   # a quick try (~1 min)
+
+1. A Llama built from a config (default: hidden 1024, 12 layers, vocab 32000, untied: 218M parameters) is wrapped
+   by ``deepspeed.initialize`` under ZeRO-3 on 2 CPU processes (gloo), takes one AdamW step in fp32 and is saved
+   with ``save_checkpoint``: 2 ranks x (fp32 master + 2 Adam moments) = 2.6 GB of optimizer shards.
+2. Each converter runs as a child process on that checkpoint and its peak resident memory (``ru_maxrss`` from
+   ``os.wait4``, i.e. what the kernel accounted to that process alone) is recorded: ``zero-recipes export`` and
+   DeepSpeed's ``convert_zero_checkpoint_to_fp32_state_dict(..., safe_serialization=True)``, both fp32, both at
+   the same ``max_shard_size``: once at 5GB (DeepSpeed's default: the whole model in one shard) and once at
+   200MB. Both outputs are compared tensor by tensor (they must be equal).
+3. Prints the table and ratios and writes the "export memory" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench._bench_util import REPO, launch_group, write_section  # noqa: E402
+
+SHARD_SIZES = ("5GB", "200MB")
+DEEPSPEED_CONVERT = (
+    "import sys; from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as convert; "
+    "convert(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[3], safe_serialization=True)"
+)
+
+
+def make_checkpoint(args: argparse.Namespace) -> None:
+    """One rank of the 2-process ZeRO-3 run that writes the checkpoint (started by torch.distributed.run)."""
+    import deepspeed
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    torch.set_num_threads(1)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+    }
+    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841  (alive while the model is built: it is built sharded)
+    config = LlamaConfig(
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden_size // 64,
+        num_key_value_heads=args.hidden_size // 64,
+        intermediate_size=int(args.hidden_size * 8 / 3) // 64 * 64,
+        vocab_size=args.vocab,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    batch = torch.randint(0, args.vocab, (1, 16))
+    loss = engine(input_ids=batch, labels=batch).loss
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(args.make_checkpoint, tag="global_step1")
+    if engine.global_rank == 0:
+        params = sum(p.ds_numel for p in model.parameters())
+        (Path(args.make_checkpoint) / "num_params.json").write_text(json.dumps({"num_params": params}))
+
+
+def peak_rss(cmd: list[str]) -> tuple[int, float]:
+    """(peak resident bytes, seconds) of a child process, from ``os.wait4``'s rusage of that child alone."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    stderr = proc.stderr.read().decode(errors="replace")
+    proc.stderr.close()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-3000:]}")
+    return usage.ru_maxrss * 1024, seconds  # Linux reports kilobytes
+
+
+def read_all(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def same_tensors(ours: Path, theirs: Path) -> bool:
+    import torch
+
+    a, b = read_all(ours), read_all(theirs)
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--work-dir", default=None, help="where the checkpoint is written (default: a temp folder)")
+    parser.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    parser.add_argument("--make-checkpoint", default=None, help=argparse.SUPPRESS)  # the rank worker's mode
+    args = parser.parse_args()
+    if args.make_checkpoint:
+        make_checkpoint(args)
+        return
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-export-bench-"))
+    checkpoint = work / "checkpoint"
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    size_args = ["--hidden-size", str(args.hidden_size), "--layers", str(args.layers), "--vocab", str(args.vocab)]
+    start = time.perf_counter()
+    launch_group(Path(__file__), "raw", "export", [*size_args, "--make-checkpoint", str(checkpoint)], timeout=900)
+    num_params = json.loads((checkpoint / "num_params.json").read_text())["num_params"]
+    shard_bytes = sum(p.stat().st_size for p in (checkpoint / "global_step1").iterdir())
+    print(
+        f"checkpoint: {num_params / 1e6:.0f}M parameters, {shard_bytes / 1e9:.2f} GB of shards, "
+        f"{time.perf_counter() - start:.0f} s"
+    )
+
+    rows = []
+    for max_shard in SHARD_SIZES:
+        ours_dir, theirs_dir = work / f"ours-{max_shard}", work / f"deepspeed-{max_shard}"
+        for folder in (ours_dir, theirs_dir):
+            shutil.rmtree(folder, ignore_errors=True)
+        ours = peak_rss(
+            [
+                sys.executable,
+                "-m",
+                "common.cli",
+                "export",
+                str(checkpoint),
+                str(ours_dir),
+                "--max-shard-size",
+                max_shard,
+                "--quiet",
+            ]
+        )
+        theirs = peak_rss([sys.executable, "-c", DEEPSPEED_CONVERT, str(checkpoint), str(theirs_dir), max_shard])
+        equal = same_tensors(ours_dir, theirs_dir)
+        rows.append((max_shard, ours, theirs, equal))
+        print(
+            f"max_shard_size {max_shard}: zero-recipes export {ours[0] / 1e9:.2f} GB ({ours[1]:.0f} s), "
+            f"zero_to_fp32 {theirs[0] / 1e9:.2f} GB ({theirs[1]:.0f} s), ratio {theirs[0] / ours[0]:.2f}x, "
+            f"same tensors: {equal}"
+        )
+        for folder in (ours_dir, theirs_dir):
+            shutil.rmtree(folder, ignore_errors=True)
+    model_bytes = num_params * 4
+    lines = [
+        f"A Llama of {num_params / 1e6:.0f}M parameters (hidden {args.hidden_size}, {args.layers} layers, vocab "
+        f"{args.vocab}, untied), ZeRO-3 on 2 CPU processes, one AdamW step in fp32, `save_checkpoint`: "
+        f"{shard_bytes / 1e9:.2f} GB of shards; the fp32 model is {model_bytes / 1e9:.2f} GB. Each converter ran "
+        "as a child process; peak resident memory is that child's `ru_maxrss` (`os.wait4`). Both write fp32 "
+        "safetensors at the same `max_shard_size`, and their outputs were compared tensor by tensor.",
+        "",
+        "| max_shard_size | zero-recipes export | DeepSpeed zero_to_fp32 | ratio | same tensors |",
+        "|---|---|---|---|---|",
+    ]
+    for max_shard, ours, theirs, equal in rows:
+        lines.append(
+            f"| {max_shard} | {ours[0] / 1e9:.2f} GB ({ours[0] / model_bytes:.2f}x model, {ours[1]:.0f} s) | "
+            f"{theirs[0] / 1e9:.2f} GB ({theirs[0] / model_bytes:.2f}x model, {theirs[1]:.0f} s) | "
+            f"{theirs[0] / ours[0]:.2f}x | {'yes' if equal else 'NO'} |"
+        )
+    body = "\n".join(lines)
+    print(body)
+    if not args.no_doc:
+        command = "flock /tmp/zr-cpu.lock python bench/export_memory.py"
+        if (args.hidden_size, args.layers, args.vocab) != (1024, 12, 32000):
+            command += " " + " ".join(size_args)
+        write_section("export memory", command, datetime.now(timezone.utc).strftime("%Y-%m-%d"), body)
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
