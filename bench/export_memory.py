@@ -50,7 +50,13 @@ def make_checkpoint(args: argparse.Namespace) -> None:
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        # Every parameter partitioned; buckets of 5e7 elements, not DeepSpeed's 5e8 (2 GB per rank in fp32).
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "reduce_bucket_size": 50_000_000,
+            "stage3_prefetch_bucket_size": 50_000_000,
+        },
         "zero_allow_untested_optimizer": True,
     }
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841  (alive while the model is built: it is built sharded)

@@ -255,96 +255,93 @@ def _optimizer_files(tag_dir: Path, world_size: int) -> list[Path]:
 def open_checkpoint(path: str | Path) -> ZeroCheckpoint:
     """Resolve ``path``, read the structure of every shard, and place every tensor (no tensor data is read)."""
     tag_dir, run_dir = locate(path)
-    model_files = sorted(tag_dir.glob("*_model_states.pt"))
-    first = load_structure(model_files[0])
+    model_file = sorted(tag_dir.glob("*_model_states.pt"))[0]  # rank 0's under ZeRO-3, the only one under 1/2
+    first = load_structure(model_file)
     if "param_shapes" not in first or "buffer_names" not in first:
-        raise ConfigError(f"{model_files[0]} is not a ZeRO model-states file (no param_shapes / buffer_names)")
-    version = _check_version(first.get("ds_version"), model_files[0])
-    world_size = int(first.get("dp_world_size", 0))
+        raise ConfigError(f"{model_file} is not a ZeRO model-states file (no param_shapes / buffer_names)")
+    version = _check_version(first.get("ds_version"), model_file)
+    world_size = int(first.get("dp_world_size") or 0)
+    if world_size < 1:
+        raise ConfigError(f"{model_file} does not say how many data-parallel ranks wrote it (dp_world_size)")
     optim_files = _optimizer_files(tag_dir, world_size)
     optim = [load_structure(f)["optimizer_state_dict"] for f in optim_files]
     stage = int(optim[0]["zero_stage"])
     ckpt = ZeroCheckpoint(tag_dir, run_dir, stage, world_size, version)
-    group_shapes = first["param_shapes"]
-
     if stage == 3:
-        rank_models = [
-            load_structure(tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(world_size)
-        ]
-        flats = [o["fp32_flat_groups"] for o in optim]
-        lengths = [t.numel() for t in flats[0]]
-        layout = zero3_layout(group_shapes, world_size)
-        for group in group_shapes:
-            for name, shape in group.items():
-                offset, partition = layout[name]
-                pieces = [
-                    Piece(optim_files[r], flats[r][g], start, n)
-                    for r in range(world_size)
-                    for g, start, n in span_pieces(lengths, offset, partition)
-                ]
-                ckpt.tensors[name] = TensorSource(shape, tuple(pieces))
-        used, available = [sum(p for _, p in layout.values())], [sum(lengths)]
-        frozen = _zero3_frozen(first, rank_models, model_files)
+        ckpt.tensors = _zero3_sources(first["param_shapes"], optim_files, [o["fp32_flat_groups"] for o in optim])
+        ranks = [tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)]
+        fragments = [load_structure(f).get("frozen_param_fragments") or {} for f in ranks]
     elif stage in (1, 2):
         flats = [o["single_partition_of_fp32_groups"] for o in optim]
-        layout, ends = zero12_layout(group_shapes, optim[0].get("param_alignment_paddings"))
-        for name, (group, start) in layout.items():
-            shape = group_shapes[group][name]
-            lengths = [flats[r][group].numel() for r in range(world_size)]
-            runs = span_pieces(lengths, start, math.prod(shape))
-            ckpt.tensors[name] = TensorSource(
-                shape, tuple(Piece(optim_files[r], flats[r][group], s, n) for r, s, n in runs)
-            )
-        # DeepSpeed pads each group to a multiple of 2 x world size: compare as its zero_to_fp32 does.
-        align = 2 * world_size
-        used = [_round_up(end, align) for end in ends]
-        available = [_round_up(sum(f[g].numel() for f in flats), align) for g in range(len(group_shapes))]
-        frozen = {
-            name: TensorSource(
-                shape, (Piece(model_files[0], first["frozen_param_fragments"][name].reshape(-1), 0, math.prod(shape)),)
-            )
-            for name, shape in (first.get("frozen_param_shapes") or {}).items()
-        }
+        paddings = optim[0].get("param_alignment_paddings")
+        ckpt.tensors = _zero12_sources(first["param_shapes"], paddings, optim_files, flats)
+        ranks, fragments = [model_file], [first.get("frozen_param_fragments") or {}]  # saved whole
     else:
         raise ConfigError(f"{optim_files[0]}: ZeRO stage {stage}; export reads stages 1, 2 and 3")
-    if used != available:
-        raise ConfigError(
-            f"{tag_dir}: the saved shapes need {used} elements per flat group but the shards hold {available}; "
-            "the shards do not belong to this checkpoint"
-        )
-    ckpt.tensors.update(frozen)
+    for name, shape in (first.get("frozen_param_shapes") or {}).items():  # requires_grad=False: in the model files
+        pieces = [Piece(f, frag[name].reshape(-1), 0, frag[name].numel()) for f, frag in zip(ranks, fragments)]
+        ckpt.tensors[name] = TensorSource(shape, tuple(pieces))
     ckpt.params = list(ckpt.tensors)
     module = first.get("module") or {}
     for name in first["buffer_names"]:
         if name in module:
             buffer = module[name].reshape(-1)
-            ckpt.tensors[name] = TensorSource(module[name].shape, (Piece(model_files[0], buffer, 0, buffer.numel()),))
-    ckpt.aliases = {
-        alias: source for alias, source in (first.get("shared_params") or {}).items() if source in ckpt.tensors
-    }
+            ckpt.tensors[name] = TensorSource(module[name].shape, (Piece(model_file, buffer, 0, buffer.numel()),))
+    shared = first.get("shared_params") or {}
+    ckpt.aliases = {alias: source for alias, source in shared.items() if source in ckpt.tensors}
     return ckpt
+
+
+def _zero3_sources(
+    group_shapes: list[dict[str, torch.Size]], files: list[Path], flats: list[list[torch.Tensor]]
+) -> dict[str, TensorSource]:
+    """ZeRO-3: each parameter is one piece per rank (a piece may cross from one flat sub-group to the next)."""
+    lengths = [t.numel() for t in flats[0]]
+    layout = zero3_layout(group_shapes, len(files))
+    _check_filled(files[0].parent, [sum(p for _, p in layout.values())], [sum(lengths)])
+    sources = {}
+    for shapes in group_shapes:
+        for name, shape in shapes.items():
+            offset, partition = layout[name]
+            pieces = [
+                Piece(file, flat[g], start, n)
+                for file, flat in zip(files, flats, strict=True)
+                for g, start, n in span_pieces(lengths, offset, partition)
+            ]
+            sources[name] = TensorSource(shape, tuple(pieces))
+    return sources
+
+
+def _zero12_sources(
+    group_shapes: list[dict[str, torch.Size]],
+    alignment_paddings: list[list[int]] | None,
+    files: list[Path],
+    flats: list[list[torch.Tensor]],
+) -> dict[str, TensorSource]:
+    """ZeRO-1/2: each parameter is a run of its group's vector, which the ranks' partitions cut into pieces."""
+    layout, ends = zero12_layout(group_shapes, alignment_paddings)
+    align = 2 * len(files)  # DeepSpeed pads each group to a multiple of 2 x world size: compare as zero_to_fp32 does
+    held = [sum(flat[g].numel() for flat in flats) for g in range(len(group_shapes))]
+    _check_filled(files[0].parent, [_round_up(e, align) for e in ends], [_round_up(h, align) for h in held])
+    sources = {}
+    for name, (group, start) in layout.items():
+        shape = group_shapes[group][name]
+        runs = span_pieces([flat[group].numel() for flat in flats], start, math.prod(shape))
+        sources[name] = TensorSource(shape, tuple(Piece(files[r], flats[r][group], s, n) for r, s, n in runs))
+    return sources
+
+
+def _check_filled(tag_dir: Path, needed: list[int], held: list[int]) -> None:
+    """The saved shapes must account for exactly the elements the shards hold."""
+    if needed != held:
+        raise ConfigError(
+            f"{tag_dir}: the saved shapes need {needed} elements per flat group but the shards hold {held}; "
+            "the shards do not belong to this checkpoint"
+        )
 
 
 def _round_up(value: int, multiple: int) -> int:
     return multiple * math.ceil(value / multiple)
-
-
-def _zero3_frozen(
-    first: dict[str, Any], rank_models: list[dict[str, Any]], files: list[Path]
-) -> dict[str, TensorSource]:
-    """ZeRO-3 frozen parameters (``requires_grad=False``): each rank's model-states file holds its slice."""
-    sources = {}
-    for name, shape in (first.get("frozen_param_shapes") or {}).items():
-        pieces = []
-        for rank, model in enumerate(rank_models):
-            fragment = model["frozen_param_fragments"][name].reshape(-1)
-            pieces.append(
-                Piece(
-                    files[0].with_name(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"), fragment, 0, fragment.numel()
-                )
-            )
-        sources[name] = TensorSource(shape, tuple(pieces))
-    return sources
 
 
 # --- naming: the run's transformers model, if any ------------------------------------------------
