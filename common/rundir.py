@@ -31,6 +31,8 @@ def launcher_rank() -> int:
     """The global rank the launcher gave this process (0 when not launched as a group)."""
     if "RANK" in os.environ:
         return int(os.environ["RANK"])
+    if "LOCAL_RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in os.environ:
+        return int(os.environ["SLURM_PROCID"])  # srun started every rank itself (recipes/launch/slurm_lightning)
     node, local = int(os.environ.get("NODE_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     return node * 1000 + local  # only "is it zero" matters here
 
@@ -38,6 +40,25 @@ def launcher_rank() -> int:
 def is_launcher_rank_zero() -> bool:
     """True in the one process that should create and write the run directory."""
     return launcher_rank() == 0
+
+
+def wait_for_rank0_file(path: str | Path, timeout_s: float = 600, poll_s: float = 0.5) -> Path:
+    """Wait until rank 0 has written ``path``: ranks on other nodes (or started by srun) start with it, not after.
+
+    Raises:
+        ConfigError: ``path`` did not appear within ``timeout_s`` (most often: ``out_dir`` is not on a file system
+            that every node sees).
+    """
+    path = Path(path)
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"waited {timeout_s:.0f} s for {path}, which rank 0 writes; on several nodes out_dir must be "
+                "on a file system that every node sees"
+            )
+        time.sleep(poll_s)
+    return path
 
 
 def prepare_run_dir(out_dir: str | Path, overwrite: bool = False, resume: bool = False) -> Path:

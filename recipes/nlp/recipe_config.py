@@ -176,6 +176,10 @@ def tokenizer_source(cfg: NLPConfig, trained_here: bool) -> str | None:
 
 def load_data(cfg: NLPConfig, tokenizer: str | None, world_size: int) -> LMData:
     """Read, split, tokenize and pack the corpus; a tokenizer is trained on the train split when none is given."""
+    if tokenizer == str(Path(cfg.out_dir) / TOKENIZER_DIR):  # the run's own: on another node it may not exist yet
+        from common.rundir import wait_for_rank0_file
+
+        wait_for_rank0_file(Path(cfg.out_dir) / "env.json")  # written after the tokenizer (write_run_files)
     data = build_lm_datasets(
         cfg.data,
         tokenizer,
@@ -440,9 +444,10 @@ def write_run_files(
 
     write_text_atomic(out_dir / "config.yaml", dump_yaml(config_to_dict(cfg)))
     write_json_atomic(out_dir / "ds_config.json", ds_config)
-    write_json_atomic(out_dir / "env.json", {**env_info(device, world_size), "data": data.info()})
     if trained_tokenizer:
         data.tokenizer.save_pretrained(str(out_dir / TOKENIZER_DIR))
+    # Last: ranks on other nodes wait for env.json before they load the tokenizer (load_data).
+    write_json_atomic(out_dir / "env.json", {**env_info(device, world_size), "data": data.info()})
 
 
 def initial_val_loss(out_dir: Path) -> float | None:
