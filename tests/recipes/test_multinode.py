@@ -9,16 +9,18 @@ Each test starts two launchers, one per "node", as a user would type them on two
 Both "nodes" share one ``out_dir``, as real nodes share a file system (the second node reads the tokenizer that
 rank 0 trained). Checked: the two processes joined one process group (``world_size`` 2 in ``summary.json`` and
 ``env.json``) and trained with real ZeRO-3 sharding: the model was built partitioned (rank 0 held half of the
-parameter elements) and each rank's measured model states equal the guide's stage-3 formula for N = 2 — well
-under what one unsharded rank would hold.
+parameter elements) and each rank's measured model states equal the planner's stage-3 prediction for N = 2
+(plus DeepSpeed's partition copies of the persistent parameters, docs/nlp.md), under 0.6 of one unsharded rank's.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,18 +31,17 @@ from common.rundir import launcher_rank, wait_for_rank0_file
 
 RECIPE = REPO / "recipes" / "nlp"
 LAUNCH_TIMEOUT_S = 420
-# The recipe's smoke run (recipes/nlp/recipe_config.py SMOKE_OVERRIDES) minus the end-of-run sample.
-SMOKE = [
-    "max_steps=4",
-    "seq_len=64",
-    "micro_batch_size=2",
-    "max_train_tokens=20000",
-    "max_val_tokens=2048",
-    "eval_interval=2",
-    "checkpoint_interval=4",
-    "log_interval=1",
-    "sample_tokens=0",
-]
+STEPS = 4
+
+
+def smoke_overrides() -> list[str]:
+    """The recipe's own smoke run (``SMOKE_OVERRIDES`` in recipes/nlp/recipe_config.py), STEPS steps, no end sample."""
+    spec = importlib.util.spec_from_file_location("nlp_recipe_config_smoke", RECIPE / "recipe_config.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
+    spec.loader.exec_module(module)
+    kept = [o for o in module.SMOKE_OVERRIDES if not o.startswith(("sample_tokens=", "max_steps="))]
+    return [*kept, f"max_steps={STEPS}", "sample_tokens=0"]
 
 
 def run_nodes(commands: list[list[str]], envs: list[dict[str, str]]) -> list[str]:
@@ -76,14 +77,14 @@ def check_one_zero3_group(out_dir: Path) -> None:
     assert summary["world_size"] == 2
     assert read_json(out_dir / "env.json")["world_size"] == 2
     assert summary["zero_stage"] == 3
-    assert summary["steps"] == 4
+    assert summary["steps"] == STEPS
 
     # Built inside zero.Init with both ranks in the group: rank 0 holds half of every parameter's elements.
     built = summary["params_at_construction"]
     assert built["elements_on_rank0"] == pytest.approx(built["num_params"] / 2, rel=0.01)
 
     # What the engine holds after a step is the planner's stage-3 prediction for N = 2 (parameters under the
-    # persistence threshold whole, the rest sharded); with N = 1 it would be about twice as much.
+    # persistence threshold whole, the rest sharded); one rank alone would hold 14 B/param.
     plan = summary["memory_plan"]
     assert plan["world_size"] == 2 and plan["stage"] == 3
     predicted = plan["predicted_bytes_per_rank"]["model_states"]
@@ -92,10 +93,10 @@ def check_one_zero3_group(out_dir: Path) -> None:
     # DeepSpeed keeps a persistent parameter whole *and* its 1/N partition (docs/nlp.md): 2 B x persistent / N.
     assert measured == pytest.approx(predicted + 2 * persistent / 2, rel=0.01)
     unsharded = 14 * num_params  # bf16 weights + fp32 master, m, v on one rank (gradients freed)
-    assert measured < 0.6 * unsharded
+    assert measured < 0.6 * unsharded  # 0.59 here: the embedding and output matrices are sharded, the rest persists
 
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "train_loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if "train_loss" in r] == list(range(1, STEPS + 1))
     assert (out_dir / "checkpoints" / "latest").exists()
 
 
@@ -121,7 +122,7 @@ def test_accelerate_two_machines_one_process_each(tmp_path):
             "--num_processes",
             "2",
             RECIPE / "train_accelerate.py",
-            *SMOKE,
+            *smoke_overrides(),
             f"out_dir={out_dir}",
         ]
         for node in (0, 1)
@@ -135,7 +136,7 @@ def test_accelerate_two_machines_one_process_each(tmp_path):
 def test_lightning_two_nodes_one_device_each(tmp_path):
     out_dir = tmp_path / "run"
     port = str(free_port())
-    command = [PYTHON, RECIPE / "train.py", "num_nodes=2", "devices=1", *SMOKE, f"out_dir={out_dir}"]
+    command = [PYTHON, RECIPE / "train.py", "num_nodes=2", "devices=1", *smoke_overrides(), f"out_dir={out_dir}"]
     envs = [subprocess_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for node in (0, 1)]
     run_nodes([command, command], envs)
     check_one_zero3_group(out_dir)
