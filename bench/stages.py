@@ -122,7 +122,7 @@ def ladder_table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def presets_table(rows: dict[str, dict]) -> str:
+def presets_table(rows: dict[str, dict], run_number: dict[str, int]) -> str:
     from common.presets import PRESET_NAMES, get_preset
 
     lines = table_head(
@@ -152,12 +152,12 @@ def presets_table(rows: dict[str, dict]) -> str:
         if row is None:
             lines.append(f"{head} not measured yet | | | | | |")
         elif "error" in row:
-            lines.append(f"{head} did not run on this CPU: `{row['error']}` | | | | | {row['run']} |")
+            lines.append(f"{head} did not run on this CPU: `{row['error']}` | | | | | {run_number[row['run']]} |")
         else:
             lines.append(
                 f"{head} {ratio_text(row)} | {row['tokens_per_s_per_rank']:.0f} | "
                 f"{row['peak_rss_bytes'] / MiB:.0f} MiB | {row['model_state_bytes'] / MiB:.1f} MiB | "
-                f"{row['buffer_bytes'] / MiB:.1f} MiB | {row['run']} |"
+                f"{row['buffer_bytes'] / MiB:.1f} MiB | {run_number[row['run']]} |"
             )
     return "\n".join(lines)
 
@@ -181,7 +181,7 @@ def plot_ladder(rows: dict[str, dict]) -> None:
     ax.set_xticks(list(x), [n.replace("deepspeed_", "") for n in names])
     ax.set_ylabel("throughput / stage 1")
     ax.set_title("ZeRO stage ladder (NLP tiny model, bench/stages.py)")
-    ax.legend()
+    ax.legend(loc="lower left")
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(PLOT, dpi=100)
@@ -209,7 +209,8 @@ def write_docs(rows: dict[str, dict]) -> None:
         date,
         ladder_table(rows) + "\n\n![stage ladder](img/stage_ladder.png)\n\n" + WHY_CPU_DIFFERS,
     )
-    runs = "\n".join(f"- `{c}`" for c in commands)
+    runs = "\n".join(f"{i}. `{c}`" for i, c in enumerate(commands, 1))
+    run_number = {c: i for i, c in enumerate(commands, 1)}
     PRESETS_DOC.write_text(
         f"""# Presets, measured
 
@@ -223,19 +224,19 @@ Produced by (on {date}, this machine: 2 CPU cores, shared with other work):
 
 {runs}
 
-The column "run" says which of these commands measured the row; `deepspeed_stage_1` runs in each of them,
+The column "run" gives the number of the command that measured the row; `deepspeed_stage_1` runs in each of them,
 so a ratio always compares two runs made side by side (median over interleaved repetitions, min-max in
 parentheses).
 
 - throughput vs stage 1: stage 1's median step time / the preset's; above 1 is faster.
 - peak RSS per rank: the largest rank's peak resident memory over the whole process (Python, torch,
-  DeepSpeed and the model included; about 0.5 GB of it is the libraries).
+  DeepSpeed and their libraries included, which is most of it for a model this small).
 - model states per rank: parameters + live gradients + optimizer states that rank 0 holds after the last
   step (common/accounting.py); ZeRO buffers: flat groups, buckets and partitions DeepSpeed keeps besides.
   On a CPU "offload" moves states to the same host RAM, so it saves nothing here; on a GPU it frees them
   from device memory.
 
-{presets_table(rows)}
+{presets_table(rows, run_number)}
 
 The `finetune` preset is measured here on the full model (every weight trained); with LoRA only the
 adapters have gradients and optimizer states. The planner (`zero-recipes estimate`) gives the same
