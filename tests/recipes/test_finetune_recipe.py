@@ -1,0 +1,245 @@
+"""The fine-tuning recipe as a user runs it: ``python recipes/nlp/finetune.py`` and its Accelerate twin.
+
+The multi-process tests start the real scripts with 2 CPU processes and real DeepSpeed ZeRO-3 (gloo) on a base
+model made here (a 2-layer Llama saved with ``save_pretrained`` and a BPE tokenizer trained on a few standard-library
+files), never on ``runs/``. ``stage3_param_persistence_threshold=0`` forces every LoRA matrix to be partitioned:
+with the preset's threshold, small adapters stay whole on every rank and a save without gathering would look
+complete (DESIGN.md). Each backend runs once with full activation checkpointing on the frozen base and is resumed
+once. Checked:
+- every saved adapter tensor has its whole shape and a non-zero norm, their count equals the trainable tensors and
+  their elements ``trainable_params``; ``PeftModel(base, adapter/)`` gives the trained (sharded) model's logits
+  (the recipe's check) and ``merged/`` the same logits as base + adapter (checked here, outside the recipe);
+- checkpoints hold no frozen weights: a small fraction of a full checkpoint's bytes;
+- ``resume=true`` continues from the checkpoint (steps after it are logged, the step before it is not redone);
+- bad input (missing base model, malformed JSONL line, unknown target module, FlashAttention on a CPU) is one
+  ``error:`` line, exit code 2, and no run directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _util import PYTHON, REPO, accelerate_launch, read_json, run
+
+RECIPE = REPO / "recipes" / "nlp"
+FINETUNE = RECIPE / "finetune.py"
+FINETUNE_ACCELERATE = RECIPE / "finetune_accelerate.py"
+SUMMARY_KEYS = {
+    "val_accuracy",
+    "base_val_accuracy",
+    "majority_baseline_accuracy",
+    "val_loss",
+    "trainable_params",
+    "throughput",
+    "peak_memory_bytes",
+    "attention",
+    "zero_stage",
+    "world_size",
+    "adapter_check",
+    "adapter_logits_check",
+    "checkpoint_bytes",
+    "checkpoint_fraction_of_full",
+}
+# Small but real: 4 steps of 2 examples per rank, LoRA r 4 on every projection, every adapter matrix partitioned.
+TINY = [
+    "n_train=64",
+    "n_val=8",
+    "micro_batch_size=2",
+    "max_steps=4",
+    "eval_interval=2",
+    "checkpoint_interval=2",
+    "log_interval=1",
+    "warmup_steps=1",
+    "lora_r=4",
+    "lora_alpha=8",
+    "max_new_tokens=2",
+    "activation_checkpointing=full",
+    'ds_overrides=["zero_optimization.stage3_param_persistence_threshold=0"]',
+]
+
+
+@functools.cache
+def load_finetune_config():
+    """``recipes/nlp/finetune_config.py`` (it imports ``recipe_config`` from its own folder)."""
+    sys.path.insert(0, str(RECIPE))
+    spec = importlib.util.spec_from_file_location("finetune_config", RECIPE / "finetune_config.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    """A 2-layer Llama (about 150k parameters) and its BPE tokenizer, saved as a Hugging Face folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nlp.data import read_files, stdlib_source_files, train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("base")
+    files = [f for f in stdlib_source_files() if 8_000 < f.stat().st_size < 40_000][:12]
+    tokenizer = train_bpe_tokenizer(read_files(files), vocab_size=512, out_dir=folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def lightning(args: list, **kw):
+    return run([PYTHON, FINETUNE, *map(str, args)], timeout=600, **kw)
+
+
+def accelerate(args: list, **kw):
+    return accelerate_launch(FINETUNE_ACCELERATE, [str(a) for a in args], RECIPE / "accelerate_finetune.yaml", **kw)
+
+
+# --- fast: configs and shipped files --------------------------------------------------------------
+
+
+def test_shipped_configs_load_and_the_default_states_the_dataclass():
+    fc = load_finetune_config()
+    from common.config import load_config
+
+    for path in sorted((RECIPE / "configs").glob("finetune*.yaml")):
+        cfg = load_config(fc.FinetuneConfig, path)
+        assert cfg.preset == "finetune"
+        assert "python recipes/nlp/finetune.py" in path.read_text().split("\n\n")[0]
+    assert load_config(fc.FinetuneConfig, fc.DEFAULT_CONFIG) == fc.FinetuneConfig()
+
+
+def test_accelerate_files_are_the_factorys_output_for_the_default_config():
+    fc = load_finetune_config()
+    import yaml
+
+    from common.strategy import accelerate_config
+    from nlp.model import LLAMA_SIZES
+
+    # The default base is the NLP recipe's tiny Llama: hidden size 256 sizes the buckets and the threshold.
+    ds_config = sys.modules["recipe_config"].resolve_ds_config(
+        fc.FinetuneConfig(), 2, LLAMA_SIZES["tiny"]["hidden_size"]
+    )
+    assert read_json(RECIPE / "ds_config_finetune.json") == ds_config
+    assert ds_config["zero_optimization"]["stage"] == 3
+    shipped = yaml.safe_load((RECIPE / "accelerate_finetune.yaml").read_text())
+    assert shipped == accelerate_config("recipes/nlp/ds_config_finetune.json", 2, zero3_init=True)
+
+
+# --- fast: bad input, one line and nothing written -------------------------------------------------
+
+
+def _one_error(proc, out_dir: Path) -> str:
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not out_dir.exists()
+    return errors[0]
+
+
+def test_missing_base_model_names_the_command_that_makes_it(tmp_path):
+    out_dir = tmp_path / "run"
+    line = _one_error(lightning([f"out_dir={out_dir}", "model=runs/nlp/final"], check=False, cwd=tmp_path), out_dir)
+    assert "base model runs/nlp/final not found" in line and "`python recipes/nlp/train.py`" in line
+    line = _one_error(lightning([f"out_dir={out_dir}", f"model={tmp_path / 'nope'}"], check=False), out_dir)
+    assert "nope not found" in line
+
+
+def test_malformed_jsonl_names_its_line(tmp_path, base_model):
+    data = tmp_path / "data.jsonl"
+    good = json.dumps({"instruction": "Say hi.", "output": "hi"})
+    data.write_text(f"{good}\n{good}\n{{'instruction': 'single quotes'}}\n")
+    out_dir = tmp_path / "run"
+    line = _one_error(lightning([f"out_dir={out_dir}", f"model={base_model}", f"data={data}"], check=False), out_dir)
+    assert f"{data}:3: invalid JSON" in line
+
+
+def test_unknown_target_module_names_the_nearest(tmp_path, base_model):
+    out_dir = tmp_path / "run"
+    args = [f"out_dir={out_dir}", f"model={base_model}", "lora_targets=q_proj,vproj"]
+    line = _one_error(lightning(args, check=False), out_dir)
+    assert "'vproj' (did you mean 'v_proj'?)" in line
+
+
+def test_flash_attention_on_a_cpu_says_why(tmp_path, base_model):
+    out_dir = tmp_path / "run"
+    args = [f"out_dir={out_dir}", f"model={base_model}", "attention=flash_attention_2"]
+    line = _one_error(lightning(args, check=False), out_dir)
+    assert "flash-attn is not installed" in line and "no GPU (device is cpu)" in line
+
+
+# --- slow: ZeRO-3 + LoRA + activation checkpointing on 2 processes, then resume, per backend ----------------
+
+
+def check_run(out_dir: Path, base_model: Path, backend: str) -> dict:
+    """The run directory, the adapter read back here, and merged/ against base + adapter."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    summary = read_json(out_dir / "summary.json")
+    assert set(summary) >= SUMMARY_KEYS, SUMMARY_KEYS - set(summary)
+    assert summary["backend"] == backend and summary["zero_stage"] == 3 and summary["world_size"] == 2
+    assert summary["attention"] == "sdpa" and summary["activation_checkpointing"] == "full"
+    assert summary["stage3_param_persistence_threshold"] == 0  # every adapter matrix was partitioned
+    # 2 layers x 7 projections x (A, B); trainable_params counted on the model, elements counted in the file.
+    adapter = load_file(str(out_dir / "adapter" / "adapter_model.safetensors"))
+    assert len(adapter) == summary["adapter_check"]["trainable_tensors"] == 28
+    assert sum(t.numel() for t in adapter.values()) == summary["trainable_params"]
+    for name, tensor in adapter.items():
+        assert tensor.dim() == 2 and 4 in tensor.shape and min(tensor.shape) > 0, (name, tensor.shape)
+        assert tensor.float().norm() > 0, name
+    assert summary["adapter_logits_check"]["ok"], summary["adapter_logits_check"]
+    # merged/ is base + adapter folded into the weights: same logits, loaded as a plain transformers model.
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(base_model, local_files_only=True)
+        with_adapter = PeftModel.from_pretrained(base, out_dir / "adapter").eval()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out_dir / "merged", local_files_only=True).eval()
+        torch.testing.assert_close(merged(input_ids=ids).logits, with_adapter, rtol=1e-4, atol=1e-4)
+    # No frozen weights in checkpoints: far below the 14 B/param of a full-parameter ZeRO checkpoint.
+    assert summary["checkpoint_fraction_of_full"] < 0.35, summary["checkpoint_bytes"]
+    assert 0.0 <= summary["val_accuracy"] <= 1.0 and summary["val_loss"] > 0
+    return summary
+
+
+def check_resume(out_dir: Path, proc) -> None:
+    from common.rundir import read_metrics
+
+    steps = [r["step"] for r in read_metrics(out_dir) if "train_loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6], steps  # steps 1-4 from the first run, 5-6 after resuming at 4
+    assert (out_dir / "checkpoints" / "step_000006").is_dir()
+
+
+@pytest.mark.slow
+def test_lightning_zero3_lora_saves_whole_adapters_and_resumes(tmp_path, base_model):
+    out_dir = tmp_path / "run"
+    lightning([f"out_dir={out_dir}", f"model={base_model}", *TINY])
+    check_run(out_dir, base_model, "lightning")
+    proc = lightning([f"out_dir={out_dir}", f"model={base_model}", *TINY, "max_steps=6", "resume=true"])
+    check_resume(out_dir, proc)
+    check_run(out_dir, base_model, "lightning")
+
+
+@pytest.mark.slow
+def test_accelerate_zero3_lora_saves_whole_adapters_and_resumes(tmp_path, base_model):
+    out_dir = tmp_path / "run"
+    accelerate([f"out_dir={out_dir}", f"model={base_model}", *TINY])
+    check_run(out_dir, base_model, "accelerate")
+    proc = accelerate([f"out_dir={out_dir}", f"model={base_model}", *TINY, "max_steps=6", "resume=true"])
+    check_resume(out_dir, proc)
+    check_run(out_dir, base_model, "accelerate")
