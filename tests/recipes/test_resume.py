@@ -155,17 +155,24 @@ def test_sigkill_of_one_rank_stops_the_run_and_resume_reproduces_the_uninterrupt
 # --- resume on another number of processes -------------------------------------------------------------
 
 # 2 -> 1 and 2 -> 4 processes with micro_batch_size scaled so that the global batch (8 images) and its samples
-# stay the same. Stochastic depth is off (it draws per rank, so another rank count would drop other blocks):
-# the losses then differ from the 2-process run's only by the order of floating-point sums.
-RESHARD_RTOL = 1e-5
+# stay the same. Stochastic depth is off (it draws per rank, so another rank count would drop other blocks).
+# Step 3 is the first forward after the resume: the re-partitioned weights must give the 2-process run's loss up to
+# the order of floating-point sums. Step 4 also goes through the re-partitioned Adam moments: exact as well for
+# stages 1 and 2 (measured 1e-7), 3.4e-4 relative for stage 3 on both backends and both process counts
+# (DeepSpeed's stage-3 universal load; docs/checkpoints.md), hence the looser stage-3 bound.
+WEIGHTS_RTOL = 1e-6
+STEP_RTOL = {1: 1e-6, 2: 1e-6, 3: 1e-3}
 MICRO_FOR = {1: 8, 2: 4, 4: 2}
 
 
 @pytest.fixture(scope="module")
 def deterministic_swin(tmp_path_factory) -> Path:
     """The recipe's tiny Swin for the 10 digits, saved as a local model folder with stochastic depth off."""
+    import torch
+
     from cv.model import build_model
 
+    torch.manual_seed(0)
     model = build_model("tiny", 10, 32)
     model.config.drop_path_rate = 0.0
     folder = tmp_path_factory.mktemp("swin") / "tiny-no-drop-path"
@@ -197,8 +204,11 @@ def test_checkpoint_of_2_processes_resumes_on_1_and_on_4(tmp_path, deterministic
         assert "the global batch stays 8 samples" in log
         assert (out_dir / "universal" / "step_000002" / "latest_universal").is_file()
         resumed = losses(out_dir)
-        for step in (3, 4):
-            assert resumed[step] == pytest.approx(expected[step], rel=RESHARD_RTOL), (backend, stage, processes, step)
+        case = (backend, stage, processes)
+        assert resumed[3] == pytest.approx(expected[3], rel=WEIGHTS_RTOL), (*case, resumed[3], expected[3])
+        assert resumed[4] == pytest.approx(expected[4], rel=STEP_RTOL[stage]), (*case, resumed[4], expected[4])
+        differences = [f"{resumed[step] / expected[step] - 1:.1e}" for step in (3, 4)]
+        print(f"{case}: relative difference at steps 3 and 4: {differences}")
         assert saved_world_size(out_dir / "checkpoints" / "step_000004") == processes
     assert snapshot(original) == before  # the conversion went into the copies' universal/, the original is untouched
 
