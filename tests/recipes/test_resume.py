@@ -109,8 +109,10 @@ def kill_rank_one_at(backend: str, out_dir: Path, step: int, timeout_s: int) -> 
         victim = rank_one(launcher)
         assert victim is not None, [p.cmdline() for p in processes]
         victim.kill()
+        killed_at = time.monotonic()
         # Bounded exit: the survivor's collective fails (peer gone, or collective_timeout_s at the latest).
         _, stderr = popen.communicate(timeout=timeout_s + 120)
+        print(f"{backend}: rank 1 killed at step {step}; every process gone {time.monotonic() - killed_at:.1f} s later")
         return popen.returncode, processes
     finally:
         if popen.poll() is None:
