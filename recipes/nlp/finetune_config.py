@@ -272,20 +272,26 @@ def base_module_names(cfg: FinetuneConfig, config: Any) -> list[str]:
 def build_lora_model(cfg: FinetuneConfig, config: Any, attention: str, module_names: list[str]) -> Any:
     """The base model (built by the NLP recipe's ``build_model``, so sharded under ZeRO-3) with LoRA on it.
 
-    peft creates the LoRA matrices whole, in the dtype the base's (empty, partitioned) weights report: fp32. They
-    are cast to the training dtype here, because ZeRO-3 keeps them in that dtype when ``deepspeed.initialize``
-    partitions them and flattens all trainable shards into one buffer of a single dtype.
+    The LoRA matrices are created outside ``zero.Init`` (Lightning runs ``configure_model`` inside it): peft
+    rebuilds them as new parameters after creation, which inside ``zero.Init`` leaves plain, empty ``[0]`` tensors
+    that DeepSpeed no longer knows are partitioned. Created whole, they are cast to the training dtype (peft takes
+    the fp32 of the base's empty placeholders), and ``deepspeed.initialize`` partitions them.
     """
+    from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
     from peft import get_peft_model
 
     from nlp.lora import lora_config
 
     model = build_model(cfg, config, attention)
-    model = get_peft_model(
-        model, lora_config(cfg.lora_targets, module_names, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
-    )
+    shutdown_init_context()  # a no-op outside zero.Init
+    try:
+        model = get_peft_model(
+            model, lora_config(cfg.lora_targets, module_names, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+        )
+    finally:
+        restore_init_context()
     for param in model.parameters():
-        if param.requires_grad and not hasattr(param, "ds_id"):
+        if param.requires_grad:
             param.data = param.data.to(DTYPES[cfg.precision])
     if cfg.activation_checkpointing != "none":
         # Reentrant checkpointing needs an input that requires grad; with the embeddings frozen, make one.
