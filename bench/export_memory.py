@@ -6,11 +6,11 @@
 1. A Llama built from a config (default: hidden 1024, 12 layers, vocab 32000, untied: 218M parameters) is wrapped
    by ``deepspeed.initialize`` under ZeRO-3 on 2 CPU processes (gloo), takes one AdamW step in fp32 and is saved
    with ``save_checkpoint``: 2 ranks x (fp32 master + 2 Adam moments) = 2.6 GB of optimizer shards.
-2. Each converter runs as a child process on that checkpoint and its peak resident memory (``ru_maxrss`` from
-   ``os.wait4``, i.e. what the kernel accounted to that process alone) is recorded: ``zero-recipes export`` and
-   DeepSpeed's ``convert_zero_checkpoint_to_fp32_state_dict(..., safe_serialization=True)``, both fp32, both at
-   the same ``max_shard_size``: once at 5GB (DeepSpeed's default: the whole model in one shard) and once at
-   200MB. Both outputs are compared tensor by tensor (they must be equal).
+2. Each converter runs as a separate process on that checkpoint, started from a small spawner, and its peak
+   resident memory (``ru_maxrss`` from ``os.wait4``: what the kernel accounted to that process alone) is
+   recorded: ``zero-recipes export`` and DeepSpeed's ``convert_zero_checkpoint_to_fp32_state_dict(...,
+   safe_serialization=True)``, both fp32, both at the same ``max_shard_size``: 5GB (DeepSpeed's default: the
+   whole model in one shard), 1GB and 200MB. Both outputs are compared tensor by tensor (they must be equal).
 3. Prints the table and ratios and writes the "export memory" section of docs/benchmarks.md.
 """
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from bench._bench_util import REPO, launch_group, write_section  # noqa: E402
 
-SHARD_SIZES = ("5GB", "200MB")
+SHARD_SIZES = ("5GB", "1GB", "200MB")
 DEEPSPEED_CONVERT = (
     "import sys; from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as convert; "
     "convert(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[3], safe_serialization=True)"
@@ -82,18 +82,25 @@ def make_checkpoint(args: argparse.Namespace) -> None:
         (Path(args.make_checkpoint) / "num_params.json").write_text(json.dumps({"num_params": params}))
 
 
+# Linux keeps a process's peak RSS across fork and exec, so a child started by this (large) process would start
+# its count at our size. A small spawner starts each converter and reports that grandchild's own peak.
+SPAWN_AND_MEASURE = (
+    "import os, subprocess, sys; child = subprocess.Popen(sys.argv[1:]); _, status, usage = os.wait4(child.pid, 0); "
+    "print(usage.ru_maxrss * 1024); sys.exit(os.waitstatus_to_exitcode(status))"
+)
+
+
 def peak_rss(cmd: list[str]) -> tuple[int, float]:
-    """(peak resident bytes, seconds) of a child process, from ``os.wait4``'s rusage of that child alone."""
+    """(peak resident bytes, seconds) of a converter process alone (``ru_maxrss`` from ``os.wait4``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", SPAWN_AND_MEASURE, *cmd], cwd=REPO, env=env, capture_output=True, text=True
+    )
     seconds = time.perf_counter() - start
-    stderr = proc.stderr.read().decode(errors="replace")
-    proc.stderr.close()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-3000:]}")
-    return usage.ru_maxrss * 1024, seconds  # Linux reports kilobytes
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return int(proc.stdout.strip().splitlines()[-1]), seconds
 
 
 def read_all(folder: Path) -> dict:
@@ -171,7 +178,8 @@ def main() -> None:
         f"A Llama of {num_params / 1e6:.0f}M parameters (hidden {args.hidden_size}, {args.layers} layers, vocab "
         f"{args.vocab}, untied), ZeRO-3 on 2 CPU processes, one AdamW step in fp32, `save_checkpoint`: "
         f"{shard_bytes / 1e9:.2f} GB of shards; the fp32 model is {model_bytes / 1e9:.2f} GB. Each converter ran "
-        "as a child process; peak resident memory is that child's `ru_maxrss` (`os.wait4`). Both write fp32 "
+        "as its own process; peak resident memory is that process's `ru_maxrss` (`os.wait4`, reported by a small "
+        "spawner so that the count does not start at the benchmark's own size). Both write fp32 "
         "safetensors at the same `max_shard_size`, and their outputs were compared tensor by tensor.",
         "",
         "| max_shard_size | zero-recipes export | DeepSpeed zero_to_fp32 | ratio | same tensors |",
