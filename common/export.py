@@ -44,6 +44,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 INDEX_NAME = "model.safetensors.index.json"
 WEIGHT_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
 _OPTIM_FILE = re.compile(r"^(?:\w+_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -73,7 +74,13 @@ def load_structure(path: Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(_deepspeed_pickle_classes()):
             return torch.load(path, map_location="meta", weights_only=True)
     except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError... for a damaged file
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        text = str(exc)
+        if blocked := _UNSUPPORTED_GLOBAL.search(text):
+            raise ConfigError(
+                f"{path} pickles {blocked.group(1)}, which export does not load: only tensors, plain data and "
+                "DeepSpeed's own checkpoint classes are allowed (torch.load weights_only=True)"
+            ) from None
+        reason = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
         raise ConfigError(f"corrupt or unreadable checkpoint shard: {path} ({reason})") from None
 
 

@@ -15,6 +15,7 @@ import torch
 from common.errors import ConfigError
 from common.export import (
     check_out_dir,
+    load_structure,
     locate,
     parse_size,
     plan_shards,
@@ -130,3 +131,15 @@ def test_out_dir_refusal_and_not_a_checkpoint(tmp_path):
         locate(tmp_path / "full")
     with pytest.raises(ConfigError, match="does not exist"):
         locate(tmp_path / "absent")
+
+
+def test_a_pickled_class_outside_the_allow_list_is_refused_by_name(tmp_path):
+    from fractions import Fraction
+
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    torch.save({"param_shapes": [], "lr": Fraction(1, 3)}, path)
+    with pytest.raises(ConfigError, match="pickles fractions.Fraction, which export does not load"):
+        load_structure(path)
+    path.write_bytes(b"not a torch file")
+    with pytest.raises(ConfigError, match="corrupt or unreadable checkpoint shard: .*model_states.pt"):
+        load_structure(path)
