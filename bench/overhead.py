@@ -77,26 +77,38 @@ def overhead_table(rows: dict[str, dict]) -> str:
     lines = table_head(
         "preset",
         "backend",
-        "step time / raw DeepSpeed (median of reps)",
+        "median of per-rep ratios",
         "min-max",
-        "per rep",
-        "raw ms",
-        "backend ms",
+        "fastest rep / fastest raw rep",
+        "raw ms (median)",
+        "backend ms (median)",
         "goal <= 1.05",
     )
     for preset, row in rows.items():
         for backend in ("lightning", "accelerate"):
             cell = row[backend]
             low, high = spread(cell["ratios"])
-            per_rep = ", ".join(f"{r:.3f}" for r in cell["ratios"])
-            verdict = "met" if cell["ratio"] <= GOAL else "not met"
+            fastest = min(cell["ms"]) / min(row["raw_ms"])
+            judged = verdict(cell["ratio"], fastest, low, high)
             lines.append(
-                f"| {preset} | {backend} | **{cell['ratio']:.3f}** | {low:.3f}-{high:.3f} | {per_rep} | "
-                f"{median(row['raw_ms']):.0f} | {median(cell['ms']):.0f} | {verdict} |"
+                f"| {preset} | {backend} | **{cell['ratio']:.3f}** | {low:.3f}-{high:.3f} | {fastest:.3f} | "
+                f"{median(row['raw_ms']):.0f} | {median(cell['ms']):.0f} | {judged} |"
             )
     reps = sorted({(row["reps"], row["steps"]) for row in rows.values()})
     note = ", ".join(f"{r} reps x {s - WARMUP} timed steps after {WARMUP} warm-up" for r, s in reps)
-    return "\n".join(lines) + f"\n\n({note}; each rep launches a fresh process group per backend.)"
+    return "\n".join(lines) + (
+        f"\n\n({note}; each rep launches a fresh process group per backend. Load from other work on this shared"
+        " machine only adds time, so the ratio of the fastest repetitions is the least disturbed estimate.)"
+    )
+
+
+def verdict(ratio: float, fastest: float, low: float, high: float) -> str:
+    """Met or not only when the repetitions agree; otherwise say the spread hides a 5 % effect."""
+    if max(ratio, fastest, high) <= GOAL:
+        return "met"
+    if min(ratio, fastest, low) > GOAL:
+        return "not met"
+    return f"not resolved: reps spread {low:.2f}-{high:.2f}; fastest reps {fastest:.3f}"
 
 
 def area_of(filename: str, func: str = "") -> str:
@@ -162,6 +174,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps per run, the first 4 are warm-up")
     parser.add_argument("--profile", action="store_true", help="profile one step loop per backend instead")
+    parser.add_argument("--render", action="store_true", help="rewrite the docs section from the last results only")
     args = parser.parse_args()
     date = time.strftime("%Y-%m-%d")
     if args.profile:
@@ -174,10 +187,11 @@ def main() -> None:
             text,
         )
         return
-    rows = measure(args.presets.split(","), args.reps, args.steps)
+    rows = {} if args.render else measure(args.presets.split(","), args.reps, args.steps)
     RESULTS.parent.mkdir(exist_ok=True)
     stored = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    stored = {k: v for k, v in stored.items() if isinstance(v, dict) and "raw_ms" in v}  # drop the old format
+    if not isinstance(stored, dict):
+        stored = {}  # the first version's list format
     stored.update(rows)
     RESULTS.write_text(json.dumps(stored, indent=2))
     table = overhead_table(stored)
