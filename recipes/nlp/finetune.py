@@ -39,6 +39,7 @@ from finetune_config import (
     load_examples,
     load_plain,
     load_tokenizer,
+    lora_param_groups,
     parse_args,
     require_base_model,
     resolve_attention_or_exit,
@@ -55,7 +56,6 @@ from recipe_config import (
     initial_val_loss,
     lr_lambda,
     model_config,
-    param_groups,
     resolve_ds_config,
     set_threads,
     summary,
@@ -109,7 +109,7 @@ class LoRAFinetune(L.LightningModule):
         return sft_loader(run["train"], self.cfg, run["pad_id"], self.global_rank, world_size, run["start_step"], True)
 
     def configure_optimizers(self):
-        groups = param_groups(self.model, self.cfg.weight_decay)
+        groups = lora_param_groups(self.model, self.cfg.weight_decay)
         optimizer = make_optimizer(groups, self.run["ds_config"], lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

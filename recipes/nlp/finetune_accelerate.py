@@ -31,6 +31,7 @@ from finetune_config import (
     load_examples,
     load_plain,
     load_tokenizer,
+    lora_param_groups,
     parse_args,
     require_base_model,
     resolve_attention_or_exit,
@@ -47,7 +48,6 @@ from recipe_config import (
     initial_val_loss,
     lr_lambda,
     model_config,
-    param_groups,
     resolve_ds_config,
     set_threads,
     summary,
@@ -116,7 +116,7 @@ def main() -> None:
     rank, device, main_process = accelerator.process_index, accelerator.device, accelerator.is_main_process
     model = build_lora_model(cfg, config, attention, module_names)
     optimizer = make_optimizer(
-        param_groups(model, cfg.weight_decay), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay
+        lora_param_groups(model, cfg.weight_decay), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))  # stepped once per optimizer step
     engine, optimizer = accelerator.prepare(model, optimizer)

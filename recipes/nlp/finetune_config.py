@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from recipe_config import all_reduce, build_model, train_loader
+from recipe_config import all_reduce, build_model, param_groups, train_loader
 
 from common.config import config_to_dict, dump_yaml, load_config
 from common.errors import ConfigError, nearest
@@ -297,6 +297,12 @@ def build_lora_model(cfg: FinetuneConfig, config: Any, attention: str, module_na
         # Reentrant checkpointing needs an input that requires grad; with the embeddings frozen, make one.
         model.enable_input_require_grads()
     return model
+
+
+def lora_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The NLP recipe's AdamW groups less the empty ones: LoRA has only matrices, and DeepSpeed drops an empty
+    group, which would leave the LR scheduler with one group more than the optimizer."""
+    return [group for group in param_groups(model, weight_decay) if group["params"]]
 
 
 def count_params(model: torch.nn.Module) -> tuple[int, int]:
