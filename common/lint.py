@@ -949,7 +949,12 @@ def _guess_recipe(path: Path, data: dict[str, Any]) -> str | None:
 
     try:
         relative = path.resolve().relative_to(RECIPES_DIR.resolve())
-        if (RECIPES_DIR / relative.parts[0] / "recipe_config.py").is_file():
+        folder = RECIPES_DIR / relative.parts[0]
+        if (folder / "recipe_config.py").is_file():
+            # A second entry point in the folder (finetune_config.py) owns the configs named after it.
+            for entry in sorted(p.name.removesuffix("_config.py") for p in folder.glob("*_config.py")):
+                if entry != "recipe" and path.name.startswith(entry):
+                    return f"{relative.parts[0]}:{entry}"
             return relative.parts[0]
     except ValueError:
         pass

@@ -53,8 +53,8 @@ def recipe_names() -> list[str]:
 
 
 def recipe_dir(name: str) -> Path:
-    """``recipes/<name>``, or a ConfigError naming the nearest recipe."""
-    folder = RECIPES_DIR / name
+    """``recipes/<name>``, or a ConfigError naming the nearest recipe (``nlp:finetune`` is in ``recipes/nlp``)."""
+    folder = RECIPES_DIR / name.partition(":")[0]
     if not (folder / "recipe_config.py").is_file():
         names = recipe_names()
         raise ConfigError(f"unknown recipe {name!r}{nearest(name, names)}; recipes: {', '.join(names) or 'none'}")
@@ -64,14 +64,26 @@ def recipe_dir(name: str) -> Path:
 _MODULES: dict[str, ModuleType] = {}
 
 
+def recipe_config_file(name: str) -> Path:
+    """The config module of a recipe: ``recipes/nlp/recipe_config.py`` for ``nlp``, and for a second entry
+    point that shares the folder, ``recipes/nlp/finetune_config.py`` for ``nlp:finetune``."""
+    entry = name.partition(":")[2]
+    path = recipe_dir(name) / (f"{entry}_config.py" if entry else "recipe_config.py")
+    if not path.is_file():
+        raise ConfigError(f"unknown recipe {name!r}: {path} does not exist")
+    return path
+
+
 def load_recipe_module(name: str) -> ModuleType:
     """Import ``recipes/<name>/recipe_config.py`` (its folder goes on ``sys.path``, as the recipe scripts do)."""
     if name in _MODULES:
         return _MODULES[name]
-    folder = recipe_dir(name)
+    path = recipe_config_file(name)
+    folder = path.parent
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location(f"zero_recipes_recipe_{name}", folder / "recipe_config.py")
+    module_name = "zero_recipes_recipe_" + name.replace(":", "_")
+    spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
