@@ -218,3 +218,21 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 def dump_yaml(data: dict[str, Any]) -> str:
     """YAML text of a plain dict, keys in their original order."""
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+def parse_recipe_args(cls: type[T], default_config: str | Path, argv: list[str] | None = None) -> T:
+    """A recipe's command line: ``--config FILE`` (default ``default_config``), ``key=value`` overrides, and
+    ``--print-config`` (print the resolved config and exit). The description is the running script's docstring."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=(sys.modules["__main__"].__doc__ or "").split("\n")[0])
+    parser.add_argument("--config", default=str(default_config), help="YAML config (default: %(default)s)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = parser.parse_args(argv)
+    loaded = load_config(cls, args.config, args.overrides)
+    if args.print_config:
+        print(dump_yaml(config_to_dict(loaded)), end="")
+        sys.exit(0)
+    return loaded

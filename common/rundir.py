@@ -191,3 +191,21 @@ def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return records
+
+
+def set_cpu_threads(local_processes: int) -> None:
+    """One intra-op thread per core per process on a CPU (2 threads per process on 2 cores: 4x slower)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_processes)))
+
+
+def refuse_existing_out_dir(out_dir: str | Path, resume: bool, overwrite: bool) -> None:
+    """Refuse an existing run directory before anything is read or written (prepare_run_dir acts later)."""
+    path = Path(out_dir)
+    if not resume and not overwrite and path.exists() and any(path.iterdir()):
+        raise ConfigError(
+            f"out_dir {path} already exists and is not empty; pass overwrite=true to replace it, "
+            "resume=true to continue it, or choose another out_dir"
+        )

@@ -9,9 +9,7 @@ adapter (gathered, then read back and checked), ``merged/``, exact-match accurac
 
 from __future__ import annotations
 
-import argparse
 import functools
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +18,7 @@ from typing import Any
 import torch
 from recipe_config import all_reduce, build_model, param_groups, train_loader
 
-from common.config import config_to_dict, dump_yaml, load_config
+from common.config import config_to_dict, dump_yaml, parse_recipe_args
 from common.errors import ConfigError, nearest
 from common.presets import PRESET_NAMES
 from common.strategy import PRECISIONS
@@ -128,17 +126,8 @@ def require_base_model(cfg: FinetuneConfig) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
-    """``--config FILE`` (default ``configs/finetune_tiny_cpu.yaml``), ``key=value`` overrides, ``--print-config``."""
-    parser = argparse.ArgumentParser(description=(sys.modules["__main__"].__doc__ or "").split("\n")[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    args = parser.parse_args(argv)
-    cfg = load_config(FinetuneConfig, args.config, args.overrides)
-    if args.print_config:
-        print(dump_yaml(config_to_dict(cfg)), end="")
-        sys.exit(0)
-    return cfg
+    """``--config FILE`` (default ``DEFAULT_CONFIG``), ``key=value`` overrides, ``--print-config``."""
+    return parse_recipe_args(FinetuneConfig, DEFAULT_CONFIG, argv)
 
 
 def resolve_attention_or_exit(cfg: FinetuneConfig, device_type: str) -> str:

@@ -7,10 +7,7 @@ same model on the same data with the same DeepSpeed config and write the same ru
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +16,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common.config import config_to_dict, dump_yaml, load_config, parse_overrides
+from common.config import config_to_dict, dump_yaml, parse_overrides, parse_recipe_args
 from common.errors import ConfigError, nearest
 from common.presets import PRESET_NAMES
+from common.rundir import refuse_existing_out_dir, set_cpu_threads
 from common.strategy import PRECISIONS, RunFacts, cosine_with_warmup, resolve_deepspeed_config
 from nlp.data import STDLIB, DataError, LMData, build_lm_datasets
 from nlp.model import ATTENTION_CHOICES, LLAMA_SIZES, ModelError
@@ -129,33 +127,18 @@ class NLPConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> NLPConfig:
-    """``--config FILE`` (default ``configs/tiny_cpu.yaml``), ``key=value`` overrides, ``--print-config``."""
-    parser = argparse.ArgumentParser(description=(sys.modules["__main__"].__doc__ or "").split("\n")[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    args = parser.parse_args(argv)
-    cfg = load_config(NLPConfig, args.config, args.overrides)
-    if args.print_config:
-        print(dump_yaml(config_to_dict(cfg)), end="")
-        sys.exit(0)
-    return cfg
+    """``--config FILE`` (default ``DEFAULT_CONFIG``), ``key=value`` overrides, ``--print-config``."""
+    return parse_recipe_args(NLPConfig, DEFAULT_CONFIG, argv)
 
 
 def set_threads(local_processes: int) -> None:
-    """One intra-op thread per core per process on a CPU (2 threads per process on 2 cores: 4x slower)."""
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_processes)))
+    """One intra-op thread per core per process on a CPU (:func:`common.rundir.set_cpu_threads`)."""
+    set_cpu_threads(local_processes)
 
 
 def check_out_dir(cfg: NLPConfig) -> None:
     """Refuse an existing run directory before anything is read or written (prepare_run_dir acts later)."""
-    path = Path(cfg.out_dir)
-    if not cfg.resume and not cfg.overwrite and path.exists() and any(path.iterdir()):
-        raise ConfigError(
-            f"out_dir {path} already exists and is not empty; pass overwrite=true to replace it, "
-            "resume=true to continue it, or choose another out_dir"
-        )
+    refuse_existing_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite)
 
 
 # --- data ----------------------------------------------------------------------------------------

@@ -7,9 +7,7 @@ Keys of :class:`ScienceConfig` are the keys of ``configs/*.yaml``.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +16,10 @@ from typing import Any
 import torch
 
 from common.activation import check_preset
-from common.config import config_to_dict, dump_yaml, load_config
+from common.config import config_to_dict, dump_yaml, parse_recipe_args
 from common.errors import ConfigError, nearest
 from common.presets import PRESET_NAMES
+from common.rundir import set_cpu_threads
 from common.strategy import RunFacts, cosine_with_warmup, resolve_deepspeed_config
 from science.burgers import DataError, generate_dataset, load_npz_dataset
 from science.fno import FNO1d, min_grid_size, relative_l2
@@ -148,17 +147,8 @@ class ScienceConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> ScienceConfig:
-    """``--config FILE`` (default ``configs/tiny_cpu.yaml``), ``key=value`` overrides, ``--print-config``."""
-    parser = argparse.ArgumentParser(description=(sys.modules["__main__"].__doc__ or "").split("\n")[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    args = parser.parse_args(argv)
-    cfg = load_config(ScienceConfig, args.config, args.overrides)
-    if args.print_config:
-        print(dump_yaml(config_to_dict(cfg)), end="")
-        sys.exit(0)
-    return cfg
+    """``--config FILE`` (default ``DEFAULT_CONFIG``), ``key=value`` overrides, ``--print-config``."""
+    return parse_recipe_args(ScienceConfig, DEFAULT_CONFIG, argv)
 
 
 def resolve_ds_config(cfg: ScienceConfig, world_size: int) -> dict[str, Any]:
@@ -183,9 +173,8 @@ def resolve_ds_config(cfg: ScienceConfig, world_size: int) -> dict[str, Any]:
 
 
 def set_threads(local_processes: int) -> None:
-    """One intra-op thread per core per process on a CPU (2 threads per process on 2 cores: 4x slower)."""
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_processes)))
+    """One intra-op thread per core per process on a CPU (:func:`common.rundir.set_cpu_threads`)."""
+    set_cpu_threads(local_processes)
 
 
 # --- data ----------------------------------------------------------------------------------------
