@@ -1,9 +1,13 @@
-"""Shared by the benchmarks: launching a 2-process group per backend, medians, docs/benchmarks.md sections."""
+"""Shared by the benchmarks: launching a 2-process group per backend, medians, provenance, docs sections."""
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
+import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -15,6 +19,59 @@ from common.strategy import RunFacts, resolve_deepspeed_config, write_accelerate
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "benchmarks.md"
 HEADINGS = {"benchmarks.md": "Benchmarks", "benchmarks_gpu.md": "GPU benchmarks"}
+
+
+# Versions that decide a benchmark's numbers; "not installed" rather than an error for optional ones.
+PROVENANCE_PACKAGES = ("torch", "deepspeed", "lightning", "accelerate", "transformers", "peft")
+
+
+def git_commit() -> str:
+    """HEAD's hash, with "-dirty" when tracked files differ from it (the figures then came from uncommitted code)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=REPO, capture_output=True).returncode
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head + ("-dirty" if dirty else "")
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """Where a results file came from: the command line, commit, date, library versions and CPU count."""
+    versions = {}
+    for name in PROVENANCE_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    argv = sys.argv if argv is None else argv
+    return {
+        "command": shlex.join(["python", *[str(a) for a in argv]]),
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions,
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def write_results(path: Path, results: dict | list, argv: list[str] | None = None) -> dict:
+    """Write a bench's results file: ``{"provenance": ..., "results": ...}``. The only writer of bench/results/."""
+    document = {"provenance": provenance(argv), "results": results}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(document, indent=2) + "\n")
+    tmp.replace(path)  # a crash mid-write leaves the previous results file whole
+    return document
+
+
+def read_results(path: Path) -> tuple[dict, dict | list]:
+    """(provenance, results) of a file written by :func:`write_results`; an error names a file without provenance."""
+    document = json.loads(path.read_text())
+    if not isinstance(document, dict) or "provenance" not in document or "results" not in document:
+        raise ValueError(f"{path} was not written by write_results (no provenance): rerun its bench")
+    return document["provenance"], document["results"]
 
 
 def free_port() -> int:
