@@ -1,32 +1,45 @@
 """Stage ladder and per-preset table: throughput relative to stage 1, peak RSS and model-state bytes per rank.
 
-    python bench/stages.py                                   # the ladder: ddp, stages 1-3, stage 3 + offload
-    python bench/stages.py --presets deepspeed_stage_2_offload,deepspeed_stage_3_offload_nvme,cv,nlp,science,finetune \\
-        --reps 1                                             # every other preset of common/presets.py
+    python bench/stages.py                      # every preset of common/presets.py, 3 interleaved reps of 14 steps
+    python bench/stages.py --render             # rewrite the docs from bench/results/stages.json, measuring nothing
 
 Each preset trains the NLP tiny model (Llama, hidden 256, 4 layers, 5.3M parameters, vocab 4096, seq 256,
 micro batch 8, bf16) through a raw DeepSpeed loop on 2 CPU processes (gloo), with the preset resolved by
-the factory exactly as the recipes resolve it. ``deepspeed_stage_1`` runs in every invocation as the
-reference and repetitions are interleaved (the order rotates), so a throughput ratio always compares runs
-made side by side. Per preset: median step time after warm-up, tokens/s per rank, peak RSS (the largest
-rank), model-state bytes and ZeRO buffers per rank (rank 0, common.accounting, after the last step).
+the factory exactly as the recipes resolve it. ``deepspeed_stage_1`` is the reference and repetitions are
+interleaved (the order rotates), so a throughput ratio always compares runs made side by side. Per preset:
+median step time after warm-up, tokens/s per rank, peak RSS (the largest rank), model-state bytes and ZeRO
+buffers per rank (rank 0, common.accounting, after the last step).
 
-Results accumulate by preset in bench/results/stages.json (a later run replaces the presets it ran), then
-the script writes docs/benchmarks.md (section "stages"), docs/presets.md and docs/img/stage_ladder.png.
+One run writes bench/results/stages.json (through write_results: provenance included); the docs are rendered
+from that file alone: docs/benchmarks.md (section "stages"), docs/presets.md (section "presets") and
+docs/img/stage_ladder.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
-from _bench_util import REPO, launch_group, median, spread, table_head, write_section  # noqa: E402
+from _bench_util import (  # noqa: E402
+    DOC,
+    REPO,
+    launch_group,
+    load_document,
+    median,
+    publish_sections,
+    spread,
+    table_head,
+    write_results,
+)
+
+from common.errors import ConfigError, exit_on_user_error, nearest  # noqa: E402
+from common.presets import PRESET_NAMES, get_preset  # noqa: E402
 
 REFERENCE = "deepspeed_stage_1"
 LADDER = ("ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload")
@@ -36,6 +49,7 @@ GUIDE_RATIO["deepspeed_stage_3_offload"] = 0.70
 WARMUP = 3
 RESULTS = HERE / "results" / "stages.json"
 PRESETS_DOC = REPO / "docs" / "presets.md"
+DOCS = {"stages": DOC, "presets": PRESETS_DOC}
 PLOT = REPO / "docs" / "img" / "stage_ladder.png"
 TOKENS_PER_STEP = 8 * 256  # micro batch x seq len, per rank (bench/_step_worker.py)
 MiB = 2**20
@@ -67,8 +81,11 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict]:
 
 
 def last_error_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if "Error" in line or "error" in line]
-    return (lines[-1] if lines else text.strip().splitlines()[-1])[:200]
+    """The exception a failed worker raised (``FooError: ...``), not torchrun's closing lines about tracebacks."""
+    lines = [line.strip() for line in text.splitlines()]
+    raised = [line for line in lines if re.match(r"^(\[rank\d+\]: *)?[\w.]+(Error|Exception)\b.*:", line)]
+    mentions = [line for line in lines if "rror" in line and "elastic/errors" not in line]
+    return ((raised or mentions or lines)[-1])[:200]
 
 
 def summarize(runs: dict[str, list[dict]], errors: dict[str, str]) -> dict[str, dict]:
@@ -81,11 +98,13 @@ def summarize(runs: dict[str, list[dict]], errors: dict[str, str]) -> dict[str, 
             continue
         ratios = [ref / r["median_step_s"] for ref, r in zip(reference, reps)]
         last = reps[-1]["ranks"]
+        step_s = [r["median_step_s"] for r in reps]
         rows[preset] = {
             "throughput_vs_stage1": median(ratios),
             "ratios": ratios,
-            "median_step_s": median([r["median_step_s"] for r in reps]),
-            "tokens_per_s_per_rank": TOKENS_PER_STEP / median([r["median_step_s"] for r in reps]),
+            "median_step_s_per_rep": step_s,
+            "median_step_s": median(step_s),
+            "tokens_per_s_per_rank": TOKENS_PER_STEP / median(step_s),
             "peak_rss_bytes": max(rank["peak_rss_bytes"] for rank in last),
             "model_state_bytes": last[0]["model_states"],
             "buffer_bytes": last[0]["buffers"],
@@ -94,12 +113,10 @@ def summarize(runs: dict[str, list[dict]], errors: dict[str, str]) -> dict[str, 
 
 
 def ratio_text(row: dict) -> str:
+    if len(row["ratios"]) == 1:
+        return f"**{row['throughput_vs_stage1']:.2f}**"
     low, high = spread(row["ratios"])
-    return (
-        f"**{row['throughput_vs_stage1']:.2f}** ({low:.2f}-{high:.2f})"
-        if len(row["ratios"]) > 1
-        else (f"**{row['throughput_vs_stage1']:.2f}**")
-    )
+    return f"**{row['throughput_vs_stage1']:.2f}** ({low:.2f}-{high:.2f})"
 
 
 def ladder_table(rows: dict[str, dict]) -> str:
@@ -122,9 +139,12 @@ def ladder_table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def presets_table(rows: dict[str, dict], run_number: dict[str, int]) -> str:
-    from common.presets import PRESET_NAMES, get_preset
+def offload_text(zero: dict) -> str:
+    keys = [key for key in ("offload_optimizer", "offload_param") if key in zero]
+    return "+".join(f"{key.removeprefix('offload_')} {zero[key]['device']}" for key in keys) or "-"
 
+
+def presets_table(rows: dict[str, dict]) -> str:
     lines = table_head(
         "preset",
         "ZeRO",
@@ -134,32 +154,72 @@ def presets_table(rows: dict[str, dict], run_number: dict[str, int]) -> str:
         "peak RSS per rank",
         "model states per rank",
         "ZeRO buffers per rank",
-        "run",
     )
     for preset in PRESET_NAMES:
         spec = get_preset(preset)
-        zero = spec["zero_optimization"]
-        offload = (
-            "+".join(
-                f"{key.removeprefix('offload_')} {zero[key]['device']}"
-                for key in ("offload_optimizer", "offload_param")
-                if key in zero
-            )
-            or "-"
-        )
+        head = f"| {preset} | {spec['stage']} | {offload_text(spec['zero_optimization'])} |"
         row = rows.get(preset)
-        head = f"| {preset} | {spec['stage']} | {offload} |"
         if row is None:
-            lines.append(f"{head} not measured yet | | | | | |")
+            lines.append(f"{head} not measured in this run | | | | |")
         elif "error" in row:
-            lines.append(f"{head} did not run on this CPU: `{row['error']}` | | | | | {run_number[row['run']]} |")
+            lines.append(f"{head} did not run on this CPU: `{row['error']}` | | | | |")
         else:
             lines.append(
                 f"{head} {ratio_text(row)} | {row['tokens_per_s_per_rank']:.0f} | "
                 f"{row['peak_rss_bytes'] / MiB:.0f} MiB | {row['model_state_bytes'] / MiB:.1f} MiB | "
-                f"{row['buffer_bytes'] / MiB:.1f} MiB | {run_number[row['run']]} |"
+                f"{row['buffer_bytes'] / MiB:.1f} MiB |"
             )
     return "\n".join(lines)
+
+
+def within_spread(row: dict, value: float) -> bool:
+    low, high = spread(row["ratios"])
+    return low <= value <= high
+
+
+def why_cpu_differs(rows: dict[str, dict]) -> str:
+    """Why the CPU ladder differs from guide 1's; the sentences that compare presets follow this run's figures."""
+    text = """Why the CPU figures differ from guide 1's: here both "devices" are processes sharing the cores and
+"communication" is a gloo copy through shared memory, so it takes CPU time from the compute instead of
+overlapping with it on a separate link; the model has 5.3M parameters, so the fixed per-call costs of
+stage 3 (a hook, an all-gather and a re-partition per module, per step) weigh far more than at 7B, where
+the matrix work hides them; and "offload" moves optimizer states from host RAM to host RAM, so it frees
+nothing and adds only the copies and DeepSpeedCPUAdam's step in place of AdamW's."""
+    stage2, stage3, offload = (rows.get(p, {}) for p in LADDER[2:])
+    if "ratios" in stage2:
+        text += (
+            " Stages 1 and 2 do the same work on this machine: stage 2's spread between repetitions includes 1.00."
+            if within_spread(stage2, 1.0)
+            else f" Stage 2 ran at {stage2['throughput_vs_stage1']:.2f}x of stage 1, outside its spread of 1.00."
+        )
+    if "ratios" in stage3 and "ratios" in offload:
+        text += (
+            f" Stage 3 + offload ran at {offload['throughput_vs_stage1']:.2f}x, next to stage 3's "
+            f"{stage3['throughput_vs_stage1']:.2f}x, against guide 1's {GUIDE_RATIO['deepspeed_stage_3_offload']:.2f}."
+        )
+    return (
+        text
+        + """ The ratios measure DeepSpeed's per-stage bookkeeping on this machine, not what the stages cost on
+GPUs: run `zero-recipes probe` on the real hardware for that."""
+    )
+
+
+def run_text(results: dict) -> str:
+    return (
+        f"{results['reps']} interleaved repetitions of {results['steps']} steps per preset ({results['warmup']} "
+        f"warm-up steps left out of each median); `{results['reference']}` runs in every repetition."
+    )
+
+
+def render_sections(document: dict) -> dict[str, str]:
+    """Section name -> Markdown body, from a stages.json document alone (no clock, no measurement)."""
+    results = document["results"]
+    rows = results["presets"]
+    why = why_cpu_differs(rows)
+    return {
+        "stages": f"{run_text(results)}\n\n{ladder_table(rows)}\n\n![stage ladder](img/stage_ladder.png)\n\n{why}",
+        "presets": f"{run_text(results)}\n\n{presets_table(rows)}\n\n{why}\n\n![stage ladder](img/stage_ladder.png)",
+    }
 
 
 def plot_ladder(rows: dict[str, dict]) -> None:
@@ -184,102 +244,44 @@ def plot_ladder(rows: dict[str, dict]) -> None:
     ax.legend(loc="lower left")
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(PLOT, dpi=100)
+    fig.savefig(PLOT, dpi=100, metadata={"Software": None})  # no version stamp: same data, same bytes
     plt.close(fig)
 
 
-WHY_CPU_DIFFERS = """Why the CPU figures differ from guide 1's: here both "devices" are processes sharing 2 cores and
-"communication" is a gloo copy through shared memory, so it takes CPU time from the compute instead of
-overlapping with it on a separate link; the model has 5.3M parameters, so the fixed per-call costs of
-stage 3 (a hook, an all-gather and a re-partition per module, per step) weigh far more than at 7B, where
-the matrix work hides them; and "offload" moves optimizer states from host RAM to host RAM, so it frees
-nothing and adds only the copies and DeepSpeedCPUAdam's step in place of AdamW's: measured next to stage 3
-rather than at 0.70. Stages 1 and 2 do
-the same work on this machine (within the spread between repetitions). The ratios measure DeepSpeed's
-per-stage bookkeeping on this machine, not what the stages cost on GPUs: run `zero-recipes probe` on the
-real hardware for that."""
+def publish(document: dict) -> None:
+    """Write the docs sections and the plot from a results document."""
+    publish_sections(render_sections(document), document["provenance"], DOCS)
+    plot_ladder(document["results"]["presets"])
 
 
-def write_docs(rows: dict[str, dict]) -> None:
-    date = max(row["date"] for row in rows.values())
-    commands = sorted({row["run"] for row in rows.values()})
-    write_section(
-        "stages",
-        " ; ".join(commands),
-        date,
-        ladder_table(rows) + "\n\n![stage ladder](img/stage_ladder.png)\n\n" + WHY_CPU_DIFFERS,
-    )
-    runs = "\n".join(f"{i}. `{c}`" for i, c in enumerate(commands, 1))
-    run_number = {c: i for i, c in enumerate(commands, 1)}
-    PRESETS_DOC.write_text(
-        f"""# Presets, measured
-
-Every preset of `common/presets.py` (`zero-recipes ls` lists them, with the guides' reason for each) on the
-NLP tiny model: Llama (hidden 256, 4 layers, 5.3M parameters, vocab 4096), seq 256, micro batch 8, bf16,
-AdamW (DeepSpeedCPUAdam where the optimizer is offloaded), a raw DeepSpeed loop on 2 CPU processes (gloo),
-with the DeepSpeed config the factory resolves for the recipes. Like litgpt's
-`config_hub/finetune/README.md`, each figure is measured, not computed.
-
-Produced by (on {date}, this machine: 2 CPU cores, shared with other work):
-
-{runs}
-
-The column "run" gives the number of the command that measured the row; `deepspeed_stage_1` runs in each of them,
-so a ratio always compares two runs made side by side (median over interleaved repetitions, min-max in
-parentheses).
-
-- throughput vs stage 1: stage 1's median step time / the preset's; above 1 is faster.
-- peak RSS per rank: the largest rank's peak resident memory over the whole process (Python, torch,
-  DeepSpeed and their libraries included, which is most of it for a model this small).
-- model states per rank: parameters + live gradients + optimizer states that rank 0 holds after the last
-  step (common/accounting.py); ZeRO buffers: flat groups, buckets and partitions DeepSpeed keeps besides.
-  On a CPU "offload" moves states to the same host RAM, so it saves nothing here; on a GPU it frees them
-  from device memory.
-
-{presets_table(rows, run_number)}
-
-The `finetune` preset is measured here on the full model (every weight trained); with LoRA only the
-adapters have gradients and optimizer states. The planner (`zero-recipes estimate`) gives the same
-quantities for your model and GPUs; `zero-recipes probe` measures them on your machine.
-
-{WHY_CPU_DIFFERS}
-
-![stage ladder](img/stage_ladder.png)
-"""
-    )
-    plot_ladder(rows)
-
-
+@exit_on_user_error(ValueError, FileNotFoundError)  # --render: a results file missing or without provenance
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", default=",".join(LADDER))
+    parser.add_argument("--presets", default=",".join(PRESET_NAMES), help="comma-separated (default: every preset)")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--render", action="store_true", help="rewrite the docs from the last results only")
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
     args = parser.parse_args()
     if args.render:
-        write_docs(json.loads(RESULTS.read_text()))
+        publish(load_document(RESULTS))
         return
     presets = args.presets.split(",")
+    for name in presets:
+        if name not in PRESET_NAMES:
+            raise ConfigError(f"unknown preset {name!r}{nearest(name, PRESET_NAMES)}; valid: {', '.join(PRESET_NAMES)}")
+    if args.steps <= WARMUP or args.reps < 1:
+        raise ConfigError(f"--steps must exceed the {WARMUP} warm-up steps and --reps be at least 1")
     if REFERENCE not in presets:
-        presets.insert(0, REFERENCE)
-    command = f"python bench/stages.py --presets {args.presets} --reps {args.reps} --steps {args.steps}"
+        presets.insert(0, REFERENCE)  # every ratio needs its side-by-side reference
     rows = measure(presets, args.reps, args.steps)
-    stamp = {"run": command, "date": time.strftime("%Y-%m-%d")}
     for preset, row in rows.items():
-        row.update(stamp)
         if "error" not in row:
             print(
                 f"{preset:>32}: throughput vs stage 1 {row['throughput_vs_stage1']:.3f} "
                 f"(reps {', '.join(f'{r:.3f}' for r in row['ratios'])}), peak RSS {row['peak_rss_bytes'] / MiB:.0f} MiB"
             )
-    RESULTS.parent.mkdir(exist_ok=True)
-    stored = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    if REFERENCE not in args.presets.split(",") and REFERENCE in stored:
-        rows.pop(REFERENCE)  # measured only as this run's yardstick: keep the row of the run that asked for it
-    stored.update(rows)
-    RESULTS.write_text(json.dumps(stored, indent=2))
-    write_docs(stored)
+    results = {"reps": args.reps, "steps": args.steps, "warmup": WARMUP, "reference": REFERENCE, "presets": rows}
+    publish(write_results(RESULTS, results))
 
 
 if __name__ == "__main__":
