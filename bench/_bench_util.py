@@ -162,3 +162,32 @@ def write_section(
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     doc.write_text(text)
+
+
+# Rendering the docs from results files. Every bench with results follows one contract:
+#   render_sections(document) -> {section name: Markdown body}, a pure function of
+#   document = {"provenance": ..., "results": ...} (load_document), and a --render flag that rewrites its
+#   sections from the results file without measuring. The "Command: ... (date, ...)" line above each body
+#   comes from the document's provenance (section_stamp), never from the clock at render time.
+# tests/unit/test_bench_docs.py re-renders every section and compares it with the docs.
+
+
+def load_document(path: Path) -> dict:
+    """``{"provenance": ..., "results": ...}`` of a results file, as ``render_sections`` takes it."""
+    provenance_, results = read_results(path)
+    return {"provenance": provenance_, "results": results}
+
+
+def section_stamp(provenance_: dict) -> tuple[str, str]:
+    """(command, date) of a section's "Command:" line: from the results file's provenance, the day of the run."""
+    return provenance_["command"], provenance_["date"][:10]
+
+
+def publish_sections(
+    sections: dict[str, str], provenance_: dict, docs: dict[str, Path], machine: str | None = None
+) -> None:
+    """Write each rendered section into its doc (``docs[name]``, docs/benchmarks.md by default)."""
+    command, date = section_stamp(provenance_)
+    machine = machine or f"this machine: {provenance_['cpu_count']} CPU cores, shared"
+    for name, body in sections.items():
+        write_section(name, command, date, body, doc=docs.get(name, DOC), machine=machine)
