@@ -2,7 +2,8 @@
 
     bash bench/gpu.sh                 # one GPU: llama_1b.yaml, writes docs/benchmarks_gpu.md (section "gpu")
     bash bench/gpu.sh --cpu           # no GPU: the same variants on the tiny model (section "cpu-mode")
-    python bench/gpu.py --cpu --variants stage2,ac_full --doc /tmp/x.md    # a subset, elsewhere
+    python bench/gpu.py --cpu --variants stage2,ac_full --doc /tmp/x.md --json /tmp/x.json   # a subset, elsewhere
+    python bench/gpu.py --cpu --render    # rewrite the section from bench/results/gpu_cpu_mode.json, measuring nothing
 
 Variants (one fresh process each, bench/_gpu_worker.py): ZeRO stages 0-3 and stage 3 + CPU offload with the
 config's attention (``auto``: FlashAttention-2 when flash-attn is installed on a GPU, else SDPA) and its
@@ -10,7 +11,8 @@ activation checkpointing (``selective`` in llama_1b.yaml); SDPA forced, to compa
 activation-checkpointing presets none / full / every_k. Reports tokens/s, MFU (PaLM's FLOPs count,
 common/metrics.py) and peak allocated memory (peak RSS on a CPU). A variant that fails (out of memory,
 say) keeps its last error line; the whole run stops starting variants after --budget-s seconds so it
-finishes within 8 minutes.
+finishes within 8 minutes. Results go to bench/results/gpu.json (gpu_cpu_mode.json with --cpu) through
+write_results, and the docs section is rendered from that file alone (``render_sections``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
-from _bench_util import REPO, launch_group, table_head, write_section  # noqa: E402
+from _bench_util import REPO, launch_group, load_document, publish_sections, table_head, write_results  # noqa: E402
 
 from common.errors import ConfigError, exit_on_user_error, nearest  # noqa: E402
 
@@ -95,7 +97,39 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-@exit_on_user_error()
+def render_sections(document: dict) -> dict[str, str]:
+    """Section name -> Markdown body, from a gpu*.json document alone (no clock, no measurement)."""
+    results = document["results"]
+    base, variants = results["run"], results["variants"]
+    device = next((r["device"] for r in variants if "device" in r), "none")
+    body = (
+        f"{base['config']} with {' '.join(base['overrides'])}, one process, {base['steps']} steps per variant "
+        f"({base['warmup']} warm-up), random tokens; device: {device}. MFU: PaLM's 6N + 12LHQT FLOPs per token "
+        "over the GPU's dense bf16 peak (recomputation not counted).\n\n" + table(variants)
+    )
+    return {section_name(results): body}
+
+
+def section_name(results: dict) -> str:
+    return "cpu-mode" if results["mode"] == "cpu" else "gpu"
+
+
+def machine_text(results: dict) -> str:
+    """What the section's "Command:" line says about the machine: the GPU's name, or that CPU mode checks only."""
+    if results["mode"] == "cpu":
+        return "CPU mode: tiny size, checks the pipeline, not a performance figure"
+    return next((r["device"] for r in results["variants"] if "device" in r), "no device ran")
+
+
+def publish(document: dict, doc: Path) -> None:
+    results = document["results"]
+    publish_sections(
+        render_sections(document), document["provenance"], {section_name(results): doc}, machine_text(results)
+    )
+
+
+# --render: a results file that is missing or was not written by write_results is one line, not a traceback.
+@exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="tiny size on a CPU: checks every part runs")
@@ -103,7 +137,12 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no variant after this many seconds")
     parser.add_argument("--doc", type=Path, default=GPU_DOC)
     parser.add_argument("--json", type=Path, default=None, help="results file (default bench/results/gpu*.json)")
+    parser.add_argument("--render", action="store_true", help="rewrite the doc from the results file; measure nothing")
     args = parser.parse_args()
+    results_file = args.json or HERE / "results" / ("gpu_cpu_mode.json" if args.cpu else "gpu.json")
+    if args.render:
+        publish(load_document(results_file), args.doc)
+        return
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -112,14 +151,14 @@ def main() -> None:
         )
     base = CPU_RUN if args.cpu else GPU_RUN
     started = time.perf_counter()
-    results = []
+    variants = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             if time.perf_counter() - started > args.budget_s:
-                results.append({"name": name, "error": f"not started: past the {args.budget_s:.0f} s budget"})
+                variants.append({"name": name, "error": f"not started: past the {args.budget_s:.0f} s budget"})
                 continue
-            results.append(run_variant(name, base, Path(tmp)))
-            r = results[-1]
+            variants.append(run_variant(name, base, Path(tmp)))
+            r = variants[-1]
             print(
                 f"{name:>15}: "
                 + (
@@ -130,21 +169,9 @@ def main() -> None:
                 ),
                 flush=True,
             )
-    device = next((r["device"] for r in results if "device" in r), "none")
-    body = (
-        f"{base['config']} with {' '.join(base['overrides'])}, one process, {base['steps']} steps per variant "
-        f"({base['warmup']} warm-up), random tokens; device: {device}. MFU: PaLM's 6N + 12LHQT FLOPs per token "
-        "over the GPU's dense bf16 peak (recomputation not counted).\n\n" + table(results)
-    )
-    results_file = args.json or HERE / "results" / ("gpu_cpu_mode.json" if args.cpu else "gpu.json")
-    results_file.parent.mkdir(exist_ok=True)
-    results_file.write_text(json.dumps(results, indent=2))
-    command = "bash bench/gpu.sh" + (" --cpu" if args.cpu else "")
-    if args.variants != ",".join(VARIANTS):
-        command = f"python bench/gpu.py{' --cpu' if args.cpu else ''} --variants {args.variants}"
-    machine = "CPU mode: tiny size, checks the pipeline, not a performance figure" if args.cpu else device
-    write_section("cpu-mode" if args.cpu else "gpu", command, time.strftime("%Y-%m-%d"), body, args.doc, machine)
-    print(f"wrote {args.doc} in {time.perf_counter() - started:.0f} s")
+    results = {"mode": "cpu" if args.cpu else "gpu", "run": base, "variants": variants}
+    publish(write_results(results_file, results), args.doc)
+    print(f"wrote {results_file} and {args.doc} in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -7,14 +7,13 @@ meets a GPU. The fast tests check the shared docs writer and the script's refusa
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 from _util import PYTHON, REPO, run
 
 sys.path.insert(0, str(REPO / "bench"))
-from _bench_util import write_section  # noqa: E402
+from _bench_util import read_results, write_section  # noqa: E402
 
 
 def test_write_section_replaces_its_own_section_and_keeps_the_others(tmp_path):
@@ -39,6 +38,16 @@ def test_gpu_driver_refuses_an_unknown_variant_with_one_line(tmp_path):
     assert not (tmp_path / "x.md").exists()
 
 
+def test_gpu_render_without_a_results_file_is_one_line(tmp_path):
+    missing = tmp_path / "none.json"
+    proc = run(
+        [PYTHON, "bench/gpu.py", "--cpu", "--render", "--json", missing, "--doc", tmp_path / "x.md"], check=False
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error:") and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x.md").exists()
+
+
 def test_gpu_script_without_a_gpu_points_to_the_cpu_mode():
     proc = run(["bash", "bench/gpu.sh"], check=False, CUDA_VISIBLE_DEVICES="")
     assert proc.returncode == 2
@@ -50,7 +59,10 @@ def test_gpu_script_cpu_mode_runs_offload_and_checkpointing_variants(tmp_path):
     doc, results = tmp_path / "benchmarks_gpu.md", tmp_path / "gpu.json"
     args = ["--cpu", "--variants", "stage3_offload,ac_full", "--doc", doc, "--json", results]
     run([PYTHON, "bench/gpu.py", *args], timeout=300)
-    rows = json.loads(results.read_text())
+    provenance, written = read_results(results)  # through write_results: provenance with the command line
+    assert provenance["command"] == f"python bench/gpu.py {' '.join(map(str, args))}"
+    assert written["mode"] == "cpu" and written["run"]["config"] == "recipes/nlp/configs/tiny_cpu.yaml"
+    rows = written["variants"]
     assert [r["name"] for r in rows] == ["stage3_offload", "ac_full"]
     for r in rows:
         assert "error" not in r, r
@@ -62,3 +74,7 @@ def test_gpu_script_cpu_mode_runs_offload_and_checkpointing_variants(tmp_path):
     text = doc.read_text()
     assert "<!-- cpu-mode:start -->" in text and "CPU mode" in text
     assert "| stage3_offload | 3 | sdpa | selective |" in text and "| ac_full | 0 | sdpa | full |" in text
+    # --render rebuilds the same section from the results file alone, measuring nothing
+    rendered = tmp_path / "rendered.md"
+    run([PYTHON, "bench/gpu.py", "--cpu", "--render", "--json", results, "--doc", rendered], timeout=60)
+    assert rendered.read_text() == text
