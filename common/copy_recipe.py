@@ -8,14 +8,14 @@ plus a generated smoke test, so that from any folder::
     pytest my_run/
 
 The smoke test runs ``train.py`` with the overrides the recipe lists in ``recipe_config.SMOKE_OVERRIDES``
-(a tiny, few-step run a user could type too) and checks the run directory. Existing files are never
-replaced unless ``--force`` is given.
+(a tiny, few-step run a user could type too) and checks the run directory. A destination that holds anything
+is refused unless ``--force`` is given; even then a file that differs from the recipe's is never replaced (your
+edits stay yours: delete the file to take the recipe's again), so ``--force`` only adds what is missing.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from common.errors import ConfigError, nearest
@@ -76,26 +76,48 @@ def files_to_copy(recipe_dir: Path, config: str | None) -> list[Path]:
     return sorted(p.relative_to(recipe_dir) for p in files + configs)
 
 
+def differing_files(contents: dict[Path, bytes]) -> list[Path]:
+    """Paths of ``contents`` that exist with other bytes (or are not files): what a copy would destroy (pure read)."""
+    return [
+        path for path, data in contents.items() if path.exists() and (not path.is_file() or path.read_bytes() != data)
+    ]
+
+
 def copy_recipe(recipe: str, dest: str | Path, config: str | None = None, force: bool = False) -> list[Path]:
     """Copy recipe ``recipe`` into ``dest`` with a smoke test; return the written paths.
 
+    Args:
+        force: copy into a folder that already holds something; files that are already there with the same content
+            are kept, files that differ are refused (never replaced).
+
     Raises:
-        ConfigError: unknown recipe or config, or a file in ``dest`` that would be replaced without ``force``.
+        ConfigError: unknown recipe or config, ``dest`` is a file, ``dest`` is not empty without ``force``, or a
+            file in ``dest`` differs from the one the copy would write. Nothing is written then.
     """
     recipes = available_recipes()
     if recipe not in recipes:
         raise ConfigError(f"unknown recipe {recipe!r}{nearest(recipe, recipes)}; recipes: {', '.join(recipes)}")
     source, dest = RECIPES_DIR / recipe, Path(dest)
-    relative = files_to_copy(source, config)
-    targets = [dest / rel for rel in relative] + [dest / "test_smoke.py"]
-    existing = [str(t) for t in targets if t.exists()]
-    if existing and not force:
-        raise ConfigError(f"{existing[0]} exists (and {len(existing) - 1} more); pass --force to replace")
-    for rel in relative:
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source / rel, dest / rel)
-    (dest / "test_smoke.py").write_text(SMOKE_TEST.format(dest_name=dest.name))
-    return targets
+    if dest.exists() and not dest.is_dir():
+        raise ConfigError(f"{dest} is a file, not a folder; choose another destination")
+    if dest.is_dir() and any(dest.iterdir()) and not force:
+        raise ConfigError(
+            f"{dest} is not empty; choose a new folder, or pass --force to add the recipe's missing files "
+            "(files you changed are never replaced)"
+        )
+    contents = {dest / rel: (source / rel).read_bytes() for rel in files_to_copy(source, config)}
+    contents[dest / "test_smoke.py"] = SMOKE_TEST.format(dest_name=dest.name).encode()
+    differ = differing_files(contents)
+    if differ:
+        raise ConfigError(
+            f"{differ[0]} differs from the recipe's ({len(differ)} file(s) differ); --force never replaces a changed "
+            "file: move it away to take the recipe's copy"
+        )
+    for path, data in contents.items():
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+    return list(contents)
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
@@ -112,5 +134,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cp.add_argument("recipe", help="recipe name (zero-recipes ls)")
     cp.add_argument("dest", help="destination folder")
     cp.add_argument("--config", default=None, help="copy only this config (plus the default tiny_cpu)")
-    cp.add_argument("--force", action="store_true", help="replace existing files")
+    cp.add_argument(
+        "--force", action="store_true", help="copy into a non-empty folder (adds missing files, never replaces one)"
+    )
     cp.set_defaults(func=cmd_cp)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from _util import REPO, subprocess_env
@@ -34,19 +36,72 @@ def test_config_option_copies_one_config_plus_the_default(tmp_path):
     assert configs == ["paper.yaml", "tiny_cpu.yaml"]
 
 
-def test_refuses_to_overwrite_and_names_nearest(tmp_path):
-    copy_recipe("science", tmp_path / "mine")
-    before = (tmp_path / "mine" / "train.py").read_text()
-    (tmp_path / "mine" / "train.py").write_text("# my edits\n")
-    with pytest.raises(ConfigError, match="exists"):
-        copy_recipe("science", tmp_path / "mine")
-    assert (tmp_path / "mine" / "train.py").read_text() == "# my edits\n"
-    copy_recipe("science", tmp_path / "mine", force=True)
-    assert (tmp_path / "mine" / "train.py").read_text() == before
+def test_refuses_unknown_names_with_the_nearest(tmp_path):
     with pytest.raises(ConfigError, match="did you mean 'science'"):
         copy_recipe("sciense", tmp_path / "x")
     with pytest.raises(ConfigError, match="did you mean 'paper'"):
         copy_recipe("science", tmp_path / "y", config="papr")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_non_empty_destination_is_refused_without_force_and_left_untouched(tmp_path):
+    dest = tmp_path / "mine"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("my notes\n")
+    with pytest.raises(ConfigError, match="is not empty.*--force"):
+        copy_recipe("science", dest)
+    assert snapshot(dest) == {"notes.txt": b"my notes\n"}  # nothing copied beside it
+    written = copy_recipe("science", dest, force=True)  # --force adds the recipe next to what is there
+    assert (dest / "notes.txt").read_text() == "my notes\n" and (dest / "train.py").is_file()
+    assert {p.relative_to(dest).as_posix() for p in written} <= set(snapshot(dest))
+
+
+def test_force_never_replaces_a_changed_file_and_then_writes_nothing(tmp_path):
+    dest = tmp_path / "mine"
+    copy_recipe("science", dest)
+    recipe_train = (REPO / "recipes" / "science" / "train.py").read_bytes()
+    assert (dest / "train.py").read_bytes() == recipe_train  # the reference: the recipe's own file
+    (dest / "configs" / "paper.yaml").unlink()
+    copy_recipe("science", dest, force=True)  # identical files kept, the missing one added back
+    assert (dest / "configs" / "paper.yaml").read_bytes() == (REPO / "recipes/science/configs/paper.yaml").read_bytes()
+    (dest / "train.py").write_text("# my edits\n")
+    (dest / "configs" / "paper.yaml").unlink()
+    before = snapshot(dest)
+    with pytest.raises(ConfigError, match="train.py differs"):
+        copy_recipe("science", dest, force=True)
+    assert snapshot(dest) == before  # the edit kept, and the missing file not written either: all or nothing
+
+
+def test_destination_that_is_a_file_is_refused(tmp_path):
+    dest = tmp_path / "mine"
+    dest.write_text("not a folder\n")
+    with pytest.raises(ConfigError, match="is a file"):
+        copy_recipe("science", dest, force=True)
+    assert dest.read_text() == "not a folder\n"
+
+
+def test_cli_refuses_a_non_empty_folder_in_one_line(tmp_path):
+    dest = tmp_path / "mine"
+    dest.mkdir()
+    (dest / "train.py").write_text("# mine\n")
+    proc = subprocess.run(
+        [shutil.which("zero-recipes"), "cp", "science", str(dest)], capture_output=True, text=True, timeout=120
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "is not empty" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    forced = subprocess.run(
+        [shutil.which("zero-recipes"), "cp", "science", str(dest), "--force"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert forced.returncode == 2 and "differs" in forced.stderr and "Traceback" not in forced.stderr, forced.stderr
+    assert snapshot(dest) == {"train.py": b"# mine\n"}
 
 
 def test_every_recipe_defines_smoke_overrides():
