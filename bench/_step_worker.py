@@ -6,9 +6,18 @@ DeepSpeed config and data:
   lightning  python bench/_step_worker.py --backend lightning ...     (Lightning starts rank 1 itself)
   accelerate accelerate launch --config_file CFG bench/_step_worker.py --backend accelerate ...
 Step time = wall time between the ends of consecutive optimizer steps (the whole loop: data, forward,
-backward, step, framework hooks). After the last step every rank reports its peak RSS and the model-state
-bytes it holds (common.accounting); rank 0 writes OUT.json. ``--profile PATH`` runs cProfile on rank 0
-over the steps after warm-up and writes the pstats file there.
+backward, step, framework hooks). Beside it every rank records the CPU time it spent in the same interval:
+``time.process_time`` (all threads of the rank: the training thread plus gloo's and the frameworks' own
+threads) and ``time.thread_time`` (the training thread alone). CPU time counts only work this rank did, not
+time it waited for a core taken by other work on the machine, so it is what bench/overhead.py judges by.
+After the last step every rank reports its per-step CPU times, peak RSS and the model-state bytes it holds
+(common.accounting); rank 0 writes OUT.json. ``--profile PATH`` runs cProfile (timed by the
+thread's CPU time) on rank 0 over the steps after warm-up and writes the pstats file there.
+
+Each backend's loop is the one its recipe runs per optimizer step (recipes/nlp/train.py and
+train_accelerate.py): forward, backward, step and a per-step LambdaLR scheduler; Accelerate's loop inside
+``accelerator.accumulate``. The recipes' every-``log_interval`` work (loss all-reduce, metrics line,
+evaluation, checkpoints) is left out: it is not a per-step cost of the framework.
 """
 
 from __future__ import annotations
@@ -54,38 +63,61 @@ def loader_for(rank: int, world: int, steps: int) -> torch.utils.data.DataLoader
     return torch.utils.data.DataLoader(shard, batch_size=MICRO_BATCH)
 
 
+def clocks() -> tuple[float, float, float]:
+    """(wall, this process's CPU time over all threads, this thread's CPU time), in seconds."""
+    return time.perf_counter(), time.process_time(), time.thread_time()
+
+
+def intervals(ends: list[float]) -> list[float]:
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
 class StepClock:
-    """End times of optimizer steps; starts cProfile on rank 0 after warm-up when asked to."""
+    """Wall and CPU times at the ends of optimizer steps; starts cProfile on rank 0 after warm-up when asked to."""
 
     def __init__(self, profile_path: str | None, is_rank0: bool) -> None:
-        self.ends = [time.perf_counter()]
-        self.profiler = cProfile.Profile() if profile_path and is_rank0 else None
+        self.ends = [clocks()]
+        # Timed by this thread's CPU time, like the verdict: load from other work does not move it.
+        self.profiler = cProfile.Profile(time.thread_time) if profile_path and is_rank0 else None
         self.profile_path = profile_path
 
+    def restart(self) -> None:
+        """The loop starts now (Lightning: after its own set-up, which is not a step)."""
+        self.ends[0] = clocks()
+
     def step_done(self) -> None:
-        self.ends.append(time.perf_counter())
+        self.ends.append(clocks())
         if self.profiler is not None and len(self.ends) == PROFILE_AFTER + 1:
             self.profiler.enable()
 
-    def finish(self) -> list[float]:
+    def finish(self) -> dict[str, list[float]]:
+        """Per-step seconds: ``wall``, ``cpu`` (process_time) and ``thread_cpu`` (thread_time)."""
         if self.profiler is not None:
             self.profiler.disable()
             self.profiler.dump_stats(self.profile_path)
-        return [b - a for a, b in zip(self.ends, self.ends[1:])]
+        wall, cpu, thread = zip(*self.ends)
+        return {"wall": intervals(list(wall)), "cpu": intervals(list(cpu)), "thread_cpu": intervals(list(thread))}
 
 
-def rank_report(engine) -> list[dict[str, int]]:
-    """Every rank's peak RSS and model-state bytes, gathered (a collective: all ranks call it)."""
+def rank_report(engine, times: dict[str, list[float]]) -> list[dict]:
+    """Every rank's per-step CPU times, peak RSS and model-state bytes, gathered (a collective: all ranks call it)."""
     mine = {
+        "cpu_step_times": times["cpu"],
+        "thread_cpu_step_times": times["thread_cpu"],
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
         **model_state_bytes(engine),
     }
-    everyone: list[dict[str, int] | None] = [None] * torch.distributed.get_world_size()
+    everyone: list[dict | None] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     return everyone  # type: ignore[return-value]
 
 
-def run_raw(args, ds_config) -> tuple[list[float], list[dict[str, int]]]:
+def constant_lr(optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """The recipes step a LambdaLR every optimizer step; so does every backend here (a constant factor)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def run_raw(args, ds_config) -> tuple[dict[str, list[float]], list[dict]]:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -93,16 +125,19 @@ def run_raw(args, ds_config) -> tuple[list[float], list[dict[str, int]]]:
     model = make_model()
     optimizer = make_optimizer(model.parameters(), ds_config, lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    scheduler = constant_lr(optimizer)
     clock = StepClock(args.profile, rank == 0)
     for (ids,) in loader_for(rank, world, args.steps):
         loss = lm_loss(engine, ids)
         engine.backward(loss)
         engine.step()
+        scheduler.step()
         clock.step_done()
-    return clock.finish(), rank_report(engine)
+    times = clock.finish()
+    return times, rank_report(engine, times)
 
 
-def run_accelerate(args, ds_config) -> tuple[list[float], list[dict[str, int]]]:
+def run_accelerate(args, ds_config) -> tuple[dict[str, list[float]], list[dict]]:
     from accelerate import Accelerator
 
     from common.strategy import accelerator_kwargs
@@ -110,18 +145,22 @@ def run_accelerate(args, ds_config) -> tuple[list[float], list[dict[str, int]]]:
     accelerator = Accelerator(**accelerator_kwargs(ds_config))
     model = make_model()
     optimizer = make_optimizer(model.parameters(), ds_config, lr=1e-3)
+    scheduler = constant_lr(optimizer)  # not prepared, as in the recipes (a prepared one steps once per process)
     engine, optimizer = accelerator.prepare(model, optimizer)
     clock = StepClock(args.profile, accelerator.is_main_process)
     for (ids,) in loader_for(accelerator.process_index, accelerator.num_processes, args.steps):
-        loss = lm_loss(engine, ids)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(engine):
+            loss = lm_loss(engine, ids)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        scheduler.step()
         clock.step_done()
-    return clock.finish(), rank_report(engine)
+    times = clock.finish()
+    return times, rank_report(engine, times)
 
 
-def run_lightning(args, ds_config) -> tuple[list[float], list[dict[str, int]]]:
+def run_lightning(args, ds_config) -> tuple[dict[str, list[float]], list[dict]]:
     import lightning as L
 
     from common.strategy import lightning_trainer_kwargs
@@ -138,13 +177,14 @@ def run_lightning(args, ds_config) -> tuple[list[float], list[dict[str, int]]]:
             return lm_loss(self.model, batch[0])
 
         def on_train_start(self) -> None:
-            clock.ends[0] = time.perf_counter()
+            clock.restart()
 
         def on_train_batch_end(self, *unused) -> None:
             clock.step_done()
 
         def configure_optimizers(self):
-            return make_optimizer(self.parameters(), self.trainer.strategy.config, lr=1e-3)
+            optimizer = make_optimizer(self.parameters(), self.trainer.strategy.config, lr=1e-3)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": constant_lr(optimizer), "interval": "step"}}
 
     trainer = L.Trainer(
         accelerator="cpu",
@@ -158,7 +198,8 @@ def run_lightning(args, ds_config) -> tuple[list[float], list[dict[str, int]]]:
         **lightning_trainer_kwargs(ds_config),
     )
     trainer.fit(Module(), loader_for(rank, 2, args.steps))
-    return clock.finish(), rank_report(trainer.strategy.model)
+    times = clock.finish()
+    return times, rank_report(trainer.strategy.model, times)
 
 
 def main() -> None:
@@ -179,7 +220,8 @@ def main() -> None:
         runner = {"raw": run_raw, "lightning": run_lightning, "accelerate": run_accelerate}[args.backend]
         times, ranks = runner(args, ds_config)
     if torch.distributed.get_rank() == 0:
-        result = {"backend": args.backend, "preset": args.preset, "step_times": times, "ranks": ranks}
+        result = {"backend": args.backend, "preset": args.preset, "step_times": times["wall"], "ranks": ranks}
+        result["profile_after"] = PROFILE_AFTER
         Path(args.out).write_text(json.dumps(result))
 
 
