@@ -22,6 +22,7 @@ Every recipe lints its resolved config at start (docs/tools.md)::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import sys
@@ -33,6 +34,10 @@ from typing import Any, TextIO
 from common.errors import ConfigError
 
 SEVERITIES = ("error", "warning", "info")
+
+# `zero-recipes lint` resolves a recipe YAML through the recipe's own resolve_ds_config, which lints at start: the
+# command reports those findings itself, once and by rule, so the recipe's start-up check neither prints nor refuses.
+_LINTING_A_FILE: contextvars.ContextVar[bool] = contextvars.ContextVar("linting_a_file", default=False)
 SOURCE_KINDS = ("recipe", "deepspeed", "accelerate", "run")
 BACKENDS = ("lightning", "accelerate", "hf_trainer")
 
@@ -109,6 +114,9 @@ class LintView:
         world_size: data-parallel ranks.
         host_ram_bytes: host RAM available for pinned offload buffers (None: not checked).
         device_memory_bytes: memory of one device (activation check; None: not checked).
+        local_memory: ``(bytes, label)``: what one rank has on this machine (the first GPU's memory, or on a CPU
+            the host RAM shared by its ranks; :func:`common.memory.local_device_memory`), for the stage-3 bucket
+            check when ``device_memory_bytes`` is not given; None: not checked.
         model: :class:`common.memory.ModelFacts` for the activation estimate, or None.
         accelerate_config: the accelerate YAML, for accelerate sources.
         path: the file linted, for messages.
@@ -125,6 +133,7 @@ class LintView:
     world_size: int = 1
     host_ram_bytes: float | None = None
     device_memory_bytes: float | None = None
+    local_memory: tuple[float, str] | None = None
     model: Any = None
     accelerate_config: dict[str, Any] | None = None
     path: str | None = None
@@ -433,6 +442,38 @@ def rule_stage3_bucket_preallocated(view: LintView) -> list[Finding]:
             f"stage 3 preallocates reduce_bucket_size = {value:.3g} elements per rank: {nbytes / 1e9:.2f} GB whatever "
             f"the model's size (measured, DESIGN.md), for a model of hidden size {view.hidden_size}",
             f"scale it to the model: reduce_bucket_size = 32 x hidden^2 = {scaled} (what the presets do)",
+        )
+    ]
+
+
+def _bucket_memory_limit(view: LintView) -> tuple[float, str] | None:
+    """(bytes, what) one rank's preallocated bucket must fit in: the target device's, else this machine's."""
+    if view.device_memory_bytes:
+        return view.device_memory_bytes, "the device memory given (--gpu-memory)"
+    return view.local_memory
+
+
+def rule_stage3_bucket_exceeds_memory(view: LintView) -> list[Finding]:
+    """Stage 3 preallocates ``reduce_bucket_size`` elements per rank at start: more bytes than the device (or, on
+    a CPU, the host RAM) holds is an out-of-memory before the first step, whatever the model's size."""
+    if view.stage != 3 or view.ds_config is None:
+        return []
+    value = _number(view.zero.get("reduce_bucket_size", DS_DEFAULT_BUCKET))
+    limit = _bucket_memory_limit(view)
+    if value is None or limit is None:
+        return []
+    nbytes = value * (4 if view.precision == "fp32" else 2)
+    have, what = limit
+    if nbytes <= have:
+        return []
+    return [
+        Finding(
+            "stage3-bucket-exceeds-memory",
+            "error",
+            f"stage 3 preallocates reduce_bucket_size = {value:.3g} elements per rank at start: {nbytes / 1e9:,.1f} GB "
+            f"({view.precision}), more than the {have / 1e9:,.1f} GB one rank has ({what}): the run cannot start",
+            "set reduce_bucket_size between 5e8 and 2e9 (guide 2, 6), or let the factory scale it to the model "
+            "(32 x hidden^2: zero-recipes config PRESET --hidden-size H)",
         )
     ]
 
@@ -802,6 +843,7 @@ RULES: dict[str, Rule] = {
     "persistence-threshold": rule_persistence_threshold,
     "bucket-size": rule_bucket_size,
     "stage3-bucket-preallocated": rule_stage3_bucket_preallocated,
+    "stage3-bucket-exceeds-memory": rule_stage3_bucket_exceeds_memory,
     "fp16-in-science": rule_fp16_in_science,
     "stage3-full-checkpointing": rule_stage3_full_checkpointing,
     "stage3-needs-checkpointing": rule_stage3_needs_checkpointing,
@@ -870,6 +912,16 @@ def _available_host_ram() -> float | None:
         return None
 
 
+def _local_memory(ranks_per_node: int) -> tuple[float, str] | None:
+    """What one rank has on this machine (:func:`common.memory.local_device_memory`); None when unknown."""
+    from common.memory import local_device_memory
+
+    try:
+        return local_device_memory(ranks_per_node)
+    except Exception:  # no psutil, or a GPU that cannot be queried: the check is skipped
+        return None
+
+
 def _world_from_ds(ds_config: dict[str, Any]) -> int:
     total, micro, accum = (
         ds_config.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -918,6 +970,7 @@ def lint_run(
         world_size=world,
         ranks_per_node=ranks_per_node or world,
         host_ram_bytes=_available_host_ram(),
+        local_memory=_local_memory(ranks_per_node or world),
     )
     return run_rules(view)
 
@@ -1028,10 +1081,13 @@ def _recipe_view(
     if view.model is not None:
         view.hidden_size = view.hidden_size or view.model.hidden_size
         view.num_params = view.num_params or view.model.num_params
+    token = _LINTING_A_FILE.set(True)
     try:
         view.ds_config = recipe_ds_config(module, cfg, view.world_size, view.hidden_size)
     except ConfigError as exc:
         findings.append(_invalid(str(exc)))
+    finally:
+        _LINTING_A_FILE.reset(token)
     return view, findings
 
 
@@ -1152,6 +1208,9 @@ def lint_file(
     view.versions = installed_versions() if versions is None else versions
     view.host_ram_bytes = _available_host_ram()
     view.device_memory_bytes = device_memory_bytes
+    # A file may be meant for another machine: without --gpu-memory, a bucket is checked against this machine's
+    # whole device (or whole host RAM on a CPU), the bound that no rank of it can exceed.
+    view.local_memory = _local_memory(1)
     if device_memory_bytes is None and view.model is not None and view.source_kind == "recipe":
         import torch
 
@@ -1233,6 +1292,8 @@ def lint_at_start(
     from common.rundir import is_launcher_rank_zero
 
     findings = lint_run(ds_config, recipe_config, hidden_size=hidden_size, world_size=world_size)
+    if _LINTING_A_FILE.get():
+        return findings
     if is_launcher_rank_zero():
         print_findings(findings)
     if has_errors(findings):

@@ -53,6 +53,8 @@ FAILING_FILES = {
     "persistence-threshold": ("json", ds(3, stage3_param_persistence_threshold=10), {"hidden_size": 4096}),
     "bucket-size": ("json", ds(2, reduce_bucket_size=5e9, allgather_bucket_size=5e8), {}),
     "stage3-bucket-preallocated": ("json", ds(3), {"hidden_size": 256}),
+    # 5e12 bf16 elements = 10 TB per rank: more than any device (the case).
+    "stage3-bucket-exceeds-memory": ("json", ds(3, reduce_bucket_size=5e12), {"device_memory_bytes": 80e9}),
     "fp16-in-science": ("recipe:science", science_yaml(precision="fp16"), {}),
     "stage3-full-checkpointing": ("recipe:nlp", nlp_yaml(activation_checkpointing="full"), {}),
     "offload-order": ("json", ds(3, offload_param={"device": "cpu"}), {}),
@@ -164,6 +166,42 @@ def test_bucket_size_respects_the_presets_scaling():
     assert [f.severity for f in lint.rule_bucket_size(big_model)] == ["warning"]
     unknown = LintView(ds_config=ds(2, reduce_bucket_size=2e7), source_kind="deepspeed")
     assert [f.severity for f in lint.rule_bucket_size(unknown)] == ["info"]
+
+
+@pytest.mark.parametrize(("precision", "bytes_per_element"), [("bf16", 2), ("fp32", 4)], ids=["bf16", "fp32"])
+def test_stage3_bucket_is_an_error_exactly_when_its_bytes_exceed_the_device(precision, bytes_per_element):
+    device = 80e9  # an 80 GB device; the bucket's bytes are elements x bytes per element of the training dtype
+    fits = device / bytes_per_element  # the largest bucket that fits, computed here, not by the linter
+    for elements, expected in ((fits, []), (fits + 1e6, ["error"]), (5e12, ["error"])):
+        config = ds(3, reduce_bucket_size=elements)
+        if precision == "fp32":
+            config["bf16"] = {"enabled": False}
+        view = LintView(ds_config=config, device_memory_bytes=device)
+        assert [f.severity for f in lint.rule_stage3_bucket_exceeds_memory(view)] == expected, elements
+    # Stages 1-2 do not preallocate it (measured for stage 3 only, DESIGN.md); above 2e9 stays a warning there.
+    stage2 = LintView(ds_config=ds(2, reduce_bucket_size=5e12), device_memory_bytes=device)
+    assert lint.rule_stage3_bucket_exceeds_memory(stage2) == []
+    assert [f.severity for f in lint.rule_bucket_size(stage2)] == ["warning"]
+
+
+def test_stage3_bucket_on_a_cpu_is_checked_against_host_ram():
+    host = LintView(ds_config=ds(3, reduce_bucket_size=5e12), local_memory=(16e9, "no GPU: host RAM"))
+    assert [f.severity for f in lint.rule_stage3_bucket_exceeds_memory(host)] == ["error"]
+    guide_max = LintView(ds_config=ds(3, reduce_bucket_size=2e9), local_memory=(16e9, "no GPU: host RAM"))
+    assert lint.rule_stage3_bucket_exceeds_memory(guide_max) == []  # 4 GB of 16: fits
+    # Between the guide's 2e9 and the memory: a warning, not an error.
+    above_guide = LintView(ds_config=ds(3, reduce_bucket_size=3e9), local_memory=(16e9, "no GPU: host RAM"))
+    findings = lint.run_rules(above_guide)
+    assert "error" not in {f.severity for f in findings if f.rule_id.startswith("stage3-bucket")}
+    assert "warning" in {f.severity for f in findings if f.rule_id == "bucket-size"}
+
+
+def test_cli_refuses_a_stage3_bucket_beyond_this_machine(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds(3, reduce_bucket_size=5e12)))
+    out = cli("lint", str(path))  # no --gpu-memory: this machine's device, or its host RAM on a CPU
+    assert out.returncode == 1 and "error   [stage3-bucket-exceeds-memory]" in out.stdout, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_auto_under_accelerate_is_only_an_error_for_keys_it_does_not_fill():
