@@ -28,8 +28,9 @@ transformers models with ``enable_input_require_grads`` when the embeddings are 
 
 from __future__ import annotations
 
+import collections
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,3 +201,73 @@ def apply_activation_checkpointing(
             # checkpointing would cut the graph and the adapters inside would get no gradient.
             model.enable_input_require_grads()
     return report
+
+
+class _Saved:
+    """A tensor saved for backward; autograd drops it when the node that saved it is done (or freed)."""
+
+    def __init__(self, tensor: torch.Tensor, counter: SavedBytesCounter, key: tuple[int, int] | None) -> None:
+        self.tensor, self.counter, self.key = tensor, counter, key
+
+    def __del__(self) -> None:
+        if self.key is not None:
+            self.counter._release(self.key)
+
+
+class SavedBytesCounter:
+    """Bytes of activations autograd holds for the backward pass, live and at their peak.
+
+    Installed with ``torch.autograd.graph.saved_tensors_hooks`` around the forward *and* backward pass,
+    it sees every tensor saved for backward, including those saved again by a checkpoint's recomputation.
+    Each storage is counted once however many views or nodes save it, and storages of the ``exclude``
+    tensors (the parameters: weights saved by a matmul are not activations) not at all. A storage stops
+    counting when the last node that saved it lets go, so ``peak_bytes`` is the most ever held at once.
+    """
+
+    def __init__(self, exclude: Sequence[torch.Tensor] = ()) -> None:
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._refs: collections.Counter[tuple[int, int]] = collections.Counter()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if storage.nbytes() == 0 or key[0] in self._excluded:
+            return _Saved(tensor, self, None)
+        if self._refs[key] == 0:
+            self.live_bytes += key[1]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._refs[key] += 1
+        return _Saved(tensor, self, key)
+
+    @staticmethod
+    def _unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
+
+    def _release(self, key: tuple[int, int]) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live_bytes -= key[1]
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context manager to run forward and backward under."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+def saved_activation_bytes(
+    model: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor]
+) -> dict[str, int]:
+    """Measure one training step's activations: ``{"end_of_forward": ..., "peak": ...}`` bytes saved for backward.
+
+    Args:
+        model: the model, in training mode, checkpointing applied as the run applies it.
+        loss_of: runs the forward pass and returns the loss (e.g. ``lambda m: m(input_ids=x, labels=x).loss``).
+    """
+    counter = SavedBytesCounter(exclude=list(model.parameters()) + list(model.buffers()))
+    with counter.hooks():
+        loss = loss_of(model)
+        end_of_forward = counter.live_bytes
+        loss.backward()
+    return {"end_of_forward": end_of_forward, "peak": counter.peak_bytes}

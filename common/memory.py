@@ -6,23 +6,29 @@ second and a test can check each term. Per rank, for K parameters on N data-para
 - **model states** by guide 1's formula (section 2.2), through
   :func:`common.accounting.predicted_model_state_bytes`: 16K / 4K + 12K/N / 2K + 14K/N / 16K/N for
   stages 0-3 with mixed-precision Adam. Offload moves terms off the device: ``optimizer`` the 12 B of
-  fp32 master + Adam moments, ``params`` (stage 3) the parameters and gradients as well.
+  fp32 master + Adam moments, ``params`` (stage 3) the parameters and gradients as well. Gradients are
+  counted alive (the peak, during the backward pass; ``step()`` releases them). Under stage 3 the
+  parameters under ``stage3_param_persistence_threshold`` are kept whole on every rank *besides* their
+  partition: + P x K_persistent (P bytes per working element; measured exactly by bench/memory.py).
 - **DeepSpeed's own estimate**, the formulas of ``estimate_zero2_model_states_mem_needs`` and
   ``estimate_zero3_model_states_mem_needs`` (DeepSpeed 0.19), re-stated here so that the planner does
   not import DeepSpeed; ``tests/unit/test_memory.py`` calls DeepSpeed's functions and checks that the
   two agree. DeepSpeed counts 18 B/param of sharded state (fp32 gradients included), a largest-layer
   term for stage 3 and has no estimator for stages 0 and 1.
-- **activations** of a transformer by Korthikanti et al. 2022, "Reducing Activation Recomputation in
-  Large Transformer Models" (arXiv:2205.05198), section 4.1: ``s*b*h*(34 + 5*a*s/h)`` bytes per layer
-  in 16-bit without recomputation (s sequence, b micro batch, h hidden, a heads); ``34*s*b*h`` with
-  selective recomputation (attention scores recomputed); ``2*s*b*h`` per layer with full recomputation
-  (the block input) plus one layer's working set while it is recomputed. The 34 counts GPT's dropout
-  masks; Llama has none, so the figure is a slight overestimate there. Other architectures are not
-  estimated (``probe`` measures them).
-- **buffers**: DeepSpeed documents ``overlap_comm`` as costing about 4.5 x (reduce + all-gather bucket)
-  elements; without it one bucket of each. Under stage 3 the reduce bucket is preallocated
-  (``reduce_bucket_size`` elements in the training dtype, measured here: DESIGN.md) and the prefetch
-  bucket (or the largest layer) is gathered.
+- **activations**: the bytes autograd saves for the backward pass, per tensor, for the attention
+  implementation the run uses (:func:`activation_parts`). A Llama-style block (RMSNorm, rotary
+  embeddings, gated MLP) is counted op by op from transformers' code and checked against
+  ``torch.autograd.graph.saved_tensors_hooks`` (tests/unit/test_activation_bytes.py, bench/activations.py):
+  SDPA and FlashAttention save q, k, v, the output and a float32 log-sum-exp per head and token, never
+  the ``a x s x s`` score matrix; ``eager`` saves the softmax (float32 and its 16-bit copy). Other
+  transformers get Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1), ``s*b*h*(34 + 5*a*s/h)``
+  per layer with its score term only under ``eager``. Checkpointing presets keep block inputs, and the
+  peak is the larger of the end of the forward pass and the first recomputation in the backward pass.
+- **buffers**: an upper bound. DeepSpeed documents ``overlap_comm`` as costing about 4.5 x (reduce +
+  all-gather bucket) elements; without it one bucket of each. Under stage 3 the reduce bucket is
+  preallocated (``reduce_bucket_size`` elements in the training dtype, measured here: DESIGN.md) and the
+  prefetch bucket (or the largest layer) is gathered. bench/memory.py measures what is resident at the
+  peak of the backward pass and publishes the ratio.
 - **host RAM** per node for offload: the offloaded per-rank bytes times the ranks on a node.
 
 A row *fits* when model states + activations + buffers stay within 90 % of the device memory (10 %
@@ -87,6 +93,14 @@ ASSUMED_ASPECT = 128
 ASSUMED_HEAD_DIM = 128
 ASSUMED_VOCAB = 32000
 
+# Attention implementations (transformers' names) and what the activation count does with them. "auto"
+# resolves to FlashAttention-2 or SDPA (nlp.model.resolve_attention): both save the same tensors.
+ATTENTIONS = ("sdpa", "flash_attention_2", "eager", "auto")
+# Model types whose blocks are Llama's: RMSNorm computed in float32, rotary embeddings, gated (SwiGLU) MLP.
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+FP32 = 4  # bytes: RMSNorm's upcast, the log-sum-exp, the softmax and the loss's log-probabilities
+INDEX_BYTES = 8  # int64 token ids
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -100,7 +114,12 @@ class ModelFacts:
         num_layers: L.
         num_heads: a.
         vocab_size: V (output logits).
-        intermediate_size: MLP width (LoRA adapter count).
+        intermediate_size: MLP width (LoRA adapter count, activations of a gated MLP).
+        num_kv_heads: key/value heads (grouped-query attention); None = num_heads.
+        head_dim: size of one head; None = hidden / heads.
+        block: ``llama`` (RMSNorm, rotary, gated MLP: counted op by op) or ``gpt`` (Korthikanti's formula).
+        param_numels: each parameter's element count (shared ones once), for the stage-3 persistence
+            threshold; empty when unknown (no parameter is then counted as persistent).
         source: where the facts come from, in words (shown in the output).
     """
 
@@ -112,6 +131,10 @@ class ModelFacts:
     num_heads: int | None = None
     vocab_size: int | None = None
     intermediate_size: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    block: str = "gpt"
+    param_numels: tuple[int, ...] = ()
     source: str = "--params"
 
 
@@ -125,6 +148,7 @@ class PlanInputs:
         seq_len: tokens per sample.
         micro_batch_size: samples per rank per forward pass.
         activation_checkpointing: the preset used for the "checkpointed" activations column.
+        attention: ``sdpa``, ``flash_attention_2``, ``eager`` (or ``auto``): decides whether the score matrix is saved.
         lora_rank: LoRA rank (frozen base + adapters on attention and MLP projections), None = full training.
         offload: restrict the rows to one offload variant, or None for all.
         precision: ``bf16``, ``fp16`` or ``fp32``.
@@ -139,6 +163,7 @@ class PlanInputs:
     seq_len: int = 2048
     micro_batch_size: int = 1
     activation_checkpointing: str = "full"
+    attention: str = "sdpa"
     lora_rank: int | None = None
     offload: str | None = None
     precision: str = "bf16"
@@ -167,6 +192,7 @@ class Row:
     activations_bytes: float | None
     activations_checkpointed_bytes: float | None
     buffers_bytes: float
+    persistent_params: int
     host_ram_per_node_bytes: float
     total_bytes: float | None
     total_checkpointed_bytes: float | None
@@ -188,9 +214,11 @@ class Plan:
         """The ``--json`` form: ``{"rows": [...], "model": ..., "inputs": ..., "recommendation": ...}``."""
         inputs = asdict(self.inputs)
         inputs["world_size"] = self.inputs.world_size
+        model = asdict(self.model)
+        model.pop("param_numels")  # one number per parameter: too long to print, persistent_params is per row
         return {
             "rows": [asdict(r) for r in self.rows],
-            "model": asdict(self.model),
+            "model": model,
             "inputs": inputs,
             "usable_fraction": USABLE_FRACTION,
             "recommendation": self.recommendation,
@@ -262,6 +290,9 @@ def assumed_transformer(num_params: int) -> ModelFacts:
     layers = max(1, round(lo))
     hidden = max(ASSUMED_HEAD_DIM, int(round(ASSUMED_ASPECT * lo / ASSUMED_HEAD_DIM)) * ASSUMED_HEAD_DIM)
     intermediate = int(8 * hidden / 3)
+    # Two RMSNorm weights per layer and the final one are the parameters small enough to persist; the
+    # matrices are lumped (each is far over any persistence threshold).
+    norms = (hidden,) * (2 * layers + 1)
     return ModelFacts(
         num_params=int(num_params),
         largest_layer_params=ASSUMED_VOCAB * hidden,
@@ -271,6 +302,10 @@ def assumed_transformer(num_params: int) -> ModelFacts:
         num_heads=hidden // ASSUMED_HEAD_DIM,
         vocab_size=ASSUMED_VOCAB,
         intermediate_size=intermediate,
+        num_kv_heads=hidden // ASSUMED_HEAD_DIM,
+        head_dim=ASSUMED_HEAD_DIM,
+        block="llama",
+        param_numels=(*norms, max(0, int(num_params) - sum(norms))),
         source=f"--params (shape assumed: {layers} layers, hidden {hidden}, vocab {ASSUMED_VOCAB}; "
         "pass --model-config for exact activations)",
     )
@@ -289,6 +324,16 @@ def count_module(model: Any) -> tuple[int, int]:
     for module in model.modules():
         largest = max(largest, sum(p.numel() for p in module.parameters(recurse=False)))
     return sum(seen.values()), largest
+
+
+def param_numels(model: Any) -> tuple[int, ...]:
+    """Each parameter's element count, shared parameters once (by identity: works on ``meta``)."""
+    return tuple({id(p): p.numel() for p in model.parameters()}.values())
+
+
+def persistent_params(facts: ModelFacts, threshold: int) -> int:
+    """Parameters stage 3 keeps whole on every rank: those of at most ``threshold`` elements (DeepSpeed's rule)."""
+    return sum(n for n in facts.param_numels if n <= threshold)
 
 
 def facts_from_model_config(config: Any, source: str) -> ModelFacts:
@@ -314,6 +359,7 @@ def facts_from_model_config(config: Any, source: str) -> ModelFacts:
     hidden = getattr(config, "hidden_size", None)
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
+    llama_like = config.model_type in LLAMA_LIKE and getattr(config, "intermediate_size", None)
     return ModelFacts(
         num_params=total,
         largest_layer_params=largest,
@@ -323,6 +369,10 @@ def facts_from_model_config(config: Any, source: str) -> ModelFacts:
         num_heads=heads,
         vocab_size=getattr(config, "vocab_size", None),
         intermediate_size=getattr(config, "intermediate_size", None),
+        num_kv_heads=getattr(config, "num_key_value_heads", None),
+        head_dim=getattr(config, "head_dim", None),
+        block="llama" if llama_like else "gpt",
+        param_numels=param_numels(model),
         source=f"{source} ({config.model_type}, counted on the meta device)",
     )
 
@@ -361,12 +411,22 @@ def lora_params(facts: ModelFacts, rank: int) -> int:
 
 
 def guide_model_states(
-    facts: ModelFacts, stage: int, offload: str, world_size: int, precision: str = "bf16", lora_rank: int | None = None
+    facts: ModelFacts,
+    stage: int,
+    offload: str,
+    world_size: int,
+    precision: str = "bf16",
+    lora_rank: int | None = None,
+    persistence_threshold: int = 0,
+    grads_alive: bool = True,
 ) -> tuple[float, float]:
     """(device bytes, host bytes) of model states per rank by guide 1's formula, with offload moving terms.
 
-    Gradients are counted alive (the peak, during backward). With LoRA the frozen base holds only its
-    working copy (no gradients, no optimizer states) and the adapters follow the formula.
+    Gradients are counted alive by default (the peak, during backward; ``grads_alive=False`` is the state
+    after ``step()``). With LoRA the frozen base holds only its working copy (no gradients, no optimizer
+    states) and the adapters follow the formula. Stage 3 adds P bytes for every parameter under
+    ``persistence_threshold``: DeepSpeed keeps it whole on every rank as well as its partition, which the
+    guide's 16K/N already counts.
     """
     from common.accounting import predicted_model_state_bytes
 
@@ -375,11 +435,12 @@ def guide_model_states(
         frozen = facts.num_params
         p = WORKING_BYTES[precision]
         base = p * frozen / world_size if stage == 3 else p * frozen
-        parts = predicted_model_state_bytes(trainable, stage, world_size, precision, grads_alive=True)
+        parts = predicted_model_state_bytes(trainable, stage, world_size, precision, grads_alive=grads_alive)
         parts = {**parts, "params": parts["params"] + base}
     else:
-        parts = predicted_model_state_bytes(facts.num_params, stage, world_size, precision, grads_alive=True)
-    device, host = parts["params"] + parts["grads"] + parts["optimizer"], 0.0
+        parts = predicted_model_state_bytes(facts.num_params, stage, world_size, precision, grads_alive=grads_alive)
+    whole_copies = WORKING_BYTES[precision] * persistent_params(facts, persistence_threshold) if stage == 3 else 0
+    device, host = parts["params"] + parts["grads"] + parts["optimizer"] + whole_copies, 0.0
     if offload in ("optimizer", "params"):
         device -= parts["optimizer"]
         host += parts["optimizer"]
@@ -428,47 +489,139 @@ def deepspeed_estimate(
     return None, None
 
 
-def _layer_bytes(s: int, b: int, h: int, a: int, scale: float) -> float:
-    """Korthikanti et al. (2022), eq. 1: activations of one transformer layer, no recomputation."""
-    return s * b * h * (34 + 5 * a * s / h) * scale
+@dataclass(frozen=True)
+class ActivationParts:
+    """Bytes autograd saves for backward, per piece of a transformer (one micro batch, one rank).
+
+    Attributes:
+        layer: one block without recomputation.
+        attention: the part of ``layer`` saved inside the attention module (what ``selective`` drops).
+        block_input: what a checkpointed block keeps: its input hidden states.
+        head: the final norm, the float32 log-probabilities of the loss and the token ids.
+        rope: the rotary cos/sin tables, shared by every block (saved once, inside attention).
+        mask: eager attention's (b, 1, s, s) causal mask, saved once when a checkpoint receives it.
+        after_attention: the part of ``layer`` saved after attention (second norm, MLP): the backward pass
+            frees it before it recomputes that block's attention (``selective``).
+        input_reused: the part of ``layer`` that is the block input itself (fp32: RMSNorm's upcast is a
+            no-op), already held by the checkpoint when the block is recomputed.
+    """
+
+    layer: float
+    attention: float
+    block_input: float
+    head: float
+    rope: float = 0.0
+    mask: float = 0.0
+    after_attention: float = 0.0
+    input_reused: float = 0.0
+
+
+def activation_parts(
+    facts: ModelFacts, seq_len: int, micro_batch_size: int, precision: str = "bf16", attention: str = "sdpa"
+) -> ActivationParts | None:
+    """The saved-for-backward bytes of a transformer's pieces, or None if the facts are not a transformer's.
+
+    ``block == "llama"`` counts transformers' Llama code op by op (P = working bytes, s b tokens):
+    each RMSNorm keeps its float32 input (4 h), the normalised 16-bit copy and its output (2 x P h) and a
+    float32 reciprocal norm (4) per token; SDPA/FlashAttention keep q and the output (P h each), k and v
+    (P h_kv each, grouped-query heads not repeated) and a float32 log-sum-exp (4 a); eager keeps q, k, v
+    repeated to every head and the output copy (4 x P h) and the softmax over a s x s scores in float32
+    plus its P-byte copy (4 + P per score; 4 in fp32, where the copy is the same tensor); the gated MLP
+    keeps gate, up, activation and product (4 x P i). Rotary embedding multiplies by constant tables,
+    which autograd saves once for all blocks. Other transformers: Korthikanti et al. 2022, eq. 1,
+    ``s*b*h*(34 + 5*a*s/h)`` in 16-bit, with the score term only for eager (a float32 log-sum-exp else).
+    """
+    if facts.architecture != "transformer" or not (facts.hidden_size and facts.num_layers and facts.num_heads):
+        return None
+    if attention not in ATTENTIONS:
+        raise ConfigError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    eager = attention == "eager"
+    p = WORKING_BYTES[precision]
+    tokens, b, s = seq_len * micro_batch_size, micro_batch_size, seq_len
+    h, a = facts.hidden_size, facts.num_heads
+    vocab = facts.vocab_size or 0
+    scores = a * s * tokens  # a x s x s per sample
+    lse = FP32 * a * tokens
+    ids = 2 * INDEX_BYTES * tokens  # input ids (embedding) and shifted labels (loss)
+    if facts.block != "llama":
+        scale = p / 2  # the paper's counts are 16-bit
+        attention_part = (5 * scores if eager else lse) * scale + 11 * tokens * h * scale  # QKV, scores, dropout
+        layer = 34 * tokens * h * scale + (5 * scores * scale if eager else lse)
+        head = FP32 * tokens * vocab + 2 * tokens * h * scale + ids
+        return ActivationParts(layer, attention_part, p * tokens * h, head, after_attention=21 * tokens * h * scale)
+    h_kv = (facts.num_kv_heads or a) * (facts.head_dim or h // a)
+    inter = facts.intermediate_size or int(8 * h / 3)
+    norm = (FP32 + 2 * p) * tokens * h + FP32 * tokens
+    if eager:
+        softmax = FP32 + (p if p != FP32 else 0)
+        attention_part = 4 * p * tokens * h + softmax * scores
+    else:
+        attention_part = 2 * p * tokens * h + 2 * p * tokens * h_kv + lse
+    mlp = 4 * p * tokens * inter
+    head = norm + FP32 * tokens * vocab + ids
+    rope = 2 * p * s * (facts.head_dim or h // a)
+    mask = p * b * s * s if eager else 0.0
+    block_input = p * tokens * h
+    return ActivationParts(
+        layer=2 * norm + attention_part + mlp,
+        attention=attention_part,
+        block_input=block_input,
+        head=head,
+        rope=rope,
+        mask=mask,
+        after_attention=norm + mlp,
+        input_reused=block_input if p == FP32 else 0.0,
+    )
+
+
+def checkpointed_blocks(checkpointing: str, num_layers: int) -> list[bool]:
+    """Which of ``num_layers`` blocks a block-level preset recomputes, by common.activation's own selection."""
+    from common.activation import select_modules
+
+    blocks = [(str(i), None) for i in range(num_layers)]
+    chosen = {name for name, _ in select_modules(blocks, checkpointing)}  # type: ignore[arg-type]
+    return [name in chosen for name, _ in blocks]
 
 
 def transformer_activations(
-    facts: ModelFacts, seq_len: int, micro_batch_size: int, checkpointing: str = "none", precision: str = "bf16"
+    facts: ModelFacts,
+    seq_len: int,
+    micro_batch_size: int,
+    checkpointing: str = "none",
+    precision: str = "bf16",
+    attention: str = "sdpa",
 ) -> float | None:
-    """Activation bytes per rank of a transformer (no tensor or sequence parallelism), or None if not one.
+    """Peak bytes saved for backward per rank (no tensor or sequence parallelism), or None if not a transformer.
 
-    Per layer without recomputation ``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit (Korthikanti et al. 2022,
-    "Reducing Activation Recomputation in Large Transformer Models", section 4.1); ``selective`` keeps
-    ``34*s*b*h`` (the attention scores are recomputed); a checkpointed layer keeps its input ``2*s*b*h``
-    and, during the backward pass, one layer is recomputed whole. ``every_k`` checkpoints every second
-    layer, ``save_memory_optimized`` every layer but the last (common.activation). Output logits add
-    ``4*s*b*V`` (fp32 for the loss). fp32 training doubles the 16-bit terms.
+    Without recomputation every block keeps :func:`activation_parts`' ``layer``. A checkpointed block
+    keeps its input, and during the backward pass the last checkpointed block is recomputed whole while
+    everything saved before it is still alive: the peak is the larger of the end of the forward pass
+    (with the loss's log-probabilities) and that moment (the loss's saved tensors are freed by then).
+    ``selective`` recomputes only attention. Which blocks a preset wraps comes from common.activation.
     """
     from common.activation import check_preset
 
     check_preset(checkpointing)
-    if facts.architecture != "transformer" or not (facts.hidden_size and facts.num_layers and facts.num_heads):
+    parts = activation_parts(facts, seq_len, micro_batch_size, precision, attention)
+    if parts is None:
         return None
-    s, b, h, a, n_layers = seq_len, micro_batch_size, facts.hidden_size, facts.num_heads, facts.num_layers
-    scale = 2.0 if precision == "fp32" else 1.0
-    full_layer = _layer_bytes(s, b, h, a, scale)
-    kept_input = 2 * s * b * h * scale
-    if checkpointing == "none":
-        layers = n_layers * full_layer
-    elif checkpointing == "selective":
-        layers = n_layers * 34 * s * b * h * scale
-    else:
-        checkpointed = {
-            "full": n_layers,
-            "every_k": n_layers // 2,
-            "save_memory_optimized": max(0, n_layers - 1),
-        }[checkpointing]
-        layers = checkpointed * kept_input + (n_layers - checkpointed) * full_layer
-        if checkpointed:
-            layers += full_layer  # one layer recomputed whole during the backward pass
-    logits = 4 * s * b * (facts.vocab_size or 0)
-    return float(layers + logits)
+    n_layers = facts.num_layers or 0
+    token_ids = INDEX_BYTES * seq_len * micro_batch_size  # the embedding's ids, alive until the very end
+    if checkpointing == "selective":
+        kept = n_layers * (parts.layer - parts.attention) + parts.mask
+        # The last block's attention is recomputed once its MLP and second norm have been freed.
+        during_backward = kept - parts.after_attention + parts.attention + parts.rope + token_ids
+        return float(max(kept + parts.head, during_backward))
+    wrapped = checkpointed_blocks(checkpointing, n_layers)
+    kept = [parts.block_input if w else parts.layer for w in wrapped]
+    shared = (parts.rope if not all(wrapped) else 0.0) + (parts.mask if any(wrapped) else 0.0)
+    end_of_forward = sum(kept) + shared + parts.head
+    if not any(wrapped):
+        return float(end_of_forward)
+    last = max(i for i, w in enumerate(wrapped) if w)
+    recomputed = parts.layer - parts.input_reused
+    during_backward = sum(kept[: last + 1]) + recomputed + parts.rope + parts.mask + token_ids
+    return float(max(end_of_forward, during_backward))
 
 
 def buffer_bytes(
@@ -492,14 +645,18 @@ def buffer_bytes(
     return p * factor * (reduce + allgather)
 
 
-def _preset_zero(stage: int, offload: str, bucket: int) -> dict[str, Any]:
+def _preset_zero(stage: int, offload: str, bucket: int, hidden_size: int | None = None) -> dict[str, Any]:
+    """The row's preset ``zero_optimization``, with the model-scaled values the factory would fill in."""
     from common.presets import FROM_MODEL, get_preset
+    from common.strategy import persistence_threshold
 
     zero = dict(get_preset(ROW_PRESETS[(stage, offload)])["zero_optimization"])
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         zero.setdefault(key, bucket)
     if zero.get("stage3_prefetch_bucket_size") == FROM_MODEL:
         zero["stage3_prefetch_bucket_size"] = int(0.9 * bucket)
+    if zero.get("stage3_param_persistence_threshold") == FROM_MODEL:
+        zero["stage3_param_persistence_threshold"] = persistence_threshold(hidden_size)
     return zero
 
 
@@ -517,20 +674,23 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
     largest = facts.largest_layer_params or 0
     usable = USABLE_FRACTION * inputs.device_memory_bytes
     ac = inputs.activation_checkpointing
-    act_none = transformer_activations(facts, inputs.seq_len, inputs.micro_batch_size, "none", inputs.precision)
-    act_ckpt = transformer_activations(facts, inputs.seq_len, inputs.micro_batch_size, ac, inputs.precision)
+    run = (inputs.seq_len, inputs.micro_batch_size)
+    act_none = transformer_activations(facts, *run, "none", inputs.precision, inputs.attention)
+    act_ckpt = transformer_activations(facts, *run, ac, inputs.precision, inputs.attention)
     result = Plan(model=facts, inputs=inputs)
     for stage, offload in ROW_PRESETS:
         if inputs.offload is not None and offload != inputs.offload:
             continue
-        device, host = guide_model_states(facts, stage, offload, n, inputs.precision, inputs.lora_rank)
+        zero = _preset_zero(stage, offload, bucket, facts.hidden_size)
+        threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if stage == 3 else 0
+        device, host = guide_model_states(facts, stage, offload, n, inputs.precision, inputs.lora_rank, threshold)
         if inputs.lora_rank:
             ds_gpu, ds_cpu = None, None
         else:
             ds_gpu, ds_cpu = deepspeed_estimate(
                 facts.num_params, largest, stage, offload, inputs.gpus_per_node, inputs.nodes
             )
-        buffers = buffer_bytes(stage, _preset_zero(stage, offload, bucket), inputs.precision, largest, bucket)
+        buffers = buffer_bytes(stage, zero, inputs.precision, largest, bucket)
         host_node = host * inputs.gpus_per_node
         host_ok = inputs.host_memory_bytes is None or host_node <= inputs.host_memory_bytes
         total = None if act_none is None else device + buffers + act_none
@@ -556,6 +716,7 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
                 activations_bytes=act_none,
                 activations_checkpointed_bytes=act_ckpt,
                 buffers_bytes=buffers,
+                persistent_params=persistent_params(facts, threshold),
                 host_ram_per_node_bytes=host_node,
                 total_bytes=total,
                 total_checkpointed_bytes=total_ckpt,
@@ -669,7 +830,7 @@ def format_plan(result: Plan) -> str:
     lines = [
         f"model: {facts.num_params / 1e9:.3g}B parameters — {facts.source}",
         f"run: {inp.gpus_per_node} device(s) x {inp.nodes} node(s) = {inp.world_size} ranks, {inp.precision}, "
-        + (f"seq {inp.seq_len}, " if facts.architecture == "transformer" else "")
+        + (f"seq {inp.seq_len}, {inp.attention} attention, " if facts.architecture == "transformer" else "")
         + f"micro batch {inp.micro_batch_size}"
         + (f", LoRA rank {inp.lora_rank}" if inp.lora_rank else ""),
         f"device memory: {fmt_gb(inp.device_memory_bytes)} ({inp.device_memory_label}); a plan fits in "
@@ -703,10 +864,12 @@ def format_plan(result: Plan) -> str:
     rec = result.recommendation
     lines += [
         "",
-        "guide states: guide 1 (2.2) per rank, gradients alive — 16K / 4K+12K/N / 2K+14K/N / 16K/N, offloaded terms",
-        "  moved to host. DeepSpeed est.: estimate_zero{2,3}_model_states_mem_needs (18 B/param sharded + largest",
-        "  layer; none for stages 0-1). activations: Korthikanti et al. 2022 (arXiv:2205.05198), s*b*h*(34+5as/h)",
-        "  per layer + fp32 logits. buffers: overlap_comm ~4.5 x buckets; stage 3 reduce bucket preallocated.",
+        "guide states: guide 1 (2.2) per rank, gradients alive — 16K / 4K+12K/N / 2K+14K/N / 16K/N (+ whole copies",
+        "  of stage-3 persistent params), offloaded terms moved to host. DeepSpeed est.: estimate_zero{2,3}_model_",
+        "  states_mem_needs (18 B/param sharded + largest layer; none for stages 0-1). activations: bytes saved for",
+        "  backward at their peak, counted per op for this attention (eager adds the a*s*s softmax; sdpa/flash keep",
+        "  a log-sum-exp); checked against autograd (bench/activations.py). buffers: an upper bound: overlap_comm",
+        "  ~4.5 x buckets; stage 3 reduce bucket preallocated + prefetch (measured resident: bench/memory.py).",
         "",
         f"recommended: {rec['preset'] or 'none'}"
         + (
@@ -773,6 +936,13 @@ def register(sub: Any) -> None:
         help="none|full|every_k|selective|save_memory_optimized: the checkpointed-activations column "
         "(default full, or the recipe's when not none)",
     )
+    p.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        default=None,
+        help="attention implementation: eager saves the s x s scores, sdpa/flash_attention_2 do not "
+        "(default sdpa, or the recipe's; auto = flash or sdpa)",
+    )
     p.add_argument("--lora-rank", type=int, default=None, help="LoRA rank: frozen base + adapters on projections")
     p.add_argument("--offload", choices=OFFLOADS, default=None, help="show only this offload variant (default: all)")
     p.add_argument("--precision", choices=tuple(WORKING_BYTES), default=None, help="default bf16, or the recipe's")
@@ -801,6 +971,7 @@ def _recipe_inputs(args: Any) -> tuple[ModelFacts, dict[str, Any]]:
         "seq_len": getattr(cfg, "seq_len", None),
         "micro_batch_size": getattr(cfg, "micro_batch_size", None),
         "precision": getattr(cfg, "precision", None),
+        "attention": getattr(cfg, "attention", None),
         "lora_rank": getattr(cfg, "lora_rank", None) if getattr(cfg, "lora", True) else None,
     }
     ac = getattr(cfg, "activation_checkpointing", "none")
@@ -845,6 +1016,7 @@ def cmd_estimate(args: Any) -> int:
         micro_batch_size=args.micro_batch_size or recipe_defaults.get("micro_batch_size", 1),
         activation_checkpointing=args.activation_checkpointing
         or recipe_defaults.get("activation_checkpointing", "full"),
+        attention=args.attention or recipe_defaults.get("attention", "sdpa"),
         lora_rank=args.lora_rank or recipe_defaults.get("lora_rank"),
         offload=args.offload,
         precision=args.precision or recipe_defaults.get("precision", "bf16"),

@@ -91,10 +91,11 @@ FAILING_VIEWS = {
         ranks_per_node=8,
         host_ram_bytes=16e9,
     ),
-    # GPT-2-small shape at micro batch 16, seq 2048 on one 24 GB device: states fit, activations do not.
+    # GPT-2-small shape at micro batch 32, seq 2048 on one 24 GB device: states fit, activations (SDPA: no
+    # score matrix) do not.
     "stage3-needs-checkpointing": LintView(
         ds_config=ds(3),
-        recipe_config={"activation_checkpointing": "none", "seq_len": 2048, "micro_batch_size": 16},
+        recipe_config={"activation_checkpointing": "none", "seq_len": 2048, "micro_batch_size": 32},
         model=ModelFacts(
             num_params=125_000_000,
             architecture="transformer",
