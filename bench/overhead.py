@@ -330,9 +330,12 @@ def main() -> None:
     results = {
         "settings": {"presets": presets, "reps": args.reps, "steps": args.steps, "warmup": WARMUP, "goal": GOAL},
         "runs": measure(presets, args.reps, args.steps),
-        "profile": profile(presets[-1], args.profile_steps) if args.profile else None,
+        "profile": None,
     }
-    document = write_results(RESULTS, results)
+    document = write_results(RESULTS, results)  # kept should the profile fail
+    if args.profile:
+        results["profile"] = profile(presets[-1], args.profile_steps)
+        document = write_results(RESULTS, results)
     write_docs(document)
     for body in render_sections(document).values():
         print(body + "\n")
