@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 from common.config import parse_overrides
 from common.errors import USAGE_EXIT_CODE, ConfigError, exit_on_user_error
 from common.presets import PRESETS
+from common.rundir import refuse_file_as_out_dir
 from common.strategy import PRECISIONS, RunFacts, resolve_deepspeed_config, write_accelerate_files
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -138,10 +140,42 @@ def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
 EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = _extra_commands()
 
 
+class _DropCpuAcceleratorNotice(logging.Filter):
+    """DeepSpeed logs "Setting accelerator to CPU" when it is first imported on a machine without a GPU.
+
+    The tools import it only to validate a config against DeepSpeed's own schema (``config``, ``lint``,
+    ``estimate``): that line would be the only thing on their stderr, and it says nothing about their answer.
+    Training runs do not go through this command, so they keep the notice.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
+def quiet_deepspeed_cpu_notice() -> None:
+    """Drop DeepSpeed's CPU-accelerator notice in this process; DeepSpeed's other messages still print.
+
+    A filter on the ``DeepSpeed`` logger set before DeepSpeed is imported survives its set-up (which sets the
+    level and adds a handler, and keeps filters).
+    """
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropCpuAcceleratorNotice) for f in logger.filters):
+        logger.addFilter(_DropCpuAcceleratorNotice())
+
+
+# Arguments that name a folder a command writes into (as the user typed them): one that is an existing file is
+# refused for every command, before the command runs.
+OUTPUT_FOLDER_ARGS = {"out": "--out", "out_dir": "OUT_DIR", "dest": "DEST"}
+
+
 @exit_on_user_error()
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``zero-recipes`` console script."""
+    quiet_deepspeed_cpu_notice()
     args = build_parser().parse_args(argv)
+    for attribute, name in OUTPUT_FOLDER_ARGS.items():
+        if getattr(args, attribute, None):
+            refuse_file_as_out_dir(getattr(args, attribute), name)
     return int(args.func(args) or 0)
 
 

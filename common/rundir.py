@@ -70,11 +70,13 @@ def prepare_run_dir(out_dir: str | Path, overwrite: bool = False, resume: bool =
         resume: continue the run already in ``out_dir``; it must exist and hold checkpoints.
 
     Raises:
-        ConfigError: the directory exists with content and neither flag is set, or resume finds no run.
+        ConfigError: the directory exists with content and neither flag is set, resume finds no run, or
+            ``out_dir`` is a file.
     """
     path = Path(out_dir)
     if resume and overwrite:
         raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
+    refuse_file_as_out_dir(path)
     if resume:
         if not (path / "checkpoints").is_dir():
             raise ConfigError(f"resume=true but {path} holds no checkpoints/ to resume from")
@@ -201,9 +203,26 @@ def set_cpu_threads(local_processes: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_processes)))
 
 
+def refuse_file_as_out_dir(out_dir: str | Path, name: str = "out_dir") -> None:
+    """Refuse an ``out_dir`` that is an existing file (or sits below one): a run directory must be a folder.
+
+    ``overwrite=true`` does not change this: it replaces a run directory, never a file the user made.
+
+    Args:
+        out_dir: the folder a run or command is about to write into.
+        name: how the user gave it (``out_dir``, ``--out``), for the message.
+    """
+    path = Path(out_dir)
+    for folder in (path, *path.parents):
+        if folder.exists() and not folder.is_dir():
+            where = "is" if folder == path else f"is below {folder}, which is"
+            raise ConfigError(f"{name} {path} {where} a file, not a folder; choose another {name}")
+
+
 def refuse_existing_out_dir(out_dir: str | Path, resume: bool, overwrite: bool) -> None:
     """Refuse an existing run directory before anything is read or written (prepare_run_dir acts later)."""
     path = Path(out_dir)
+    refuse_file_as_out_dir(path)
     if not resume and not overwrite and path.exists() and any(path.iterdir()):
         raise ConfigError(
             f"out_dir {path} already exists and is not empty; pass overwrite=true to replace it, "

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from common.config import config_to_dict, dump_yaml, parse_overrides, parse_recipe_args
 from common.errors import ConfigError, nearest
+from common.model_folder import check_weight_files
 from common.presets import PRESET_NAMES
 from common.rundir import refuse_existing_out_dir, set_cpu_threads
 from common.strategy import PRECISIONS, RunFacts, cosine_with_warmup, resolve_deepspeed_config
@@ -198,6 +199,7 @@ def read_model_config(cfg: CVConfig) -> Any:
         return SwinConfig(**SWIN_SIZES[cfg.model], num_labels=10)
     if not (cfg.pretrained / "config.json").is_file():
         raise ModelError(f"model folder {cfg.pretrained} has no config.json; expected a folder from save_pretrained")
+    check_weight_files(cfg.pretrained)  # a truncated *.safetensors: one line naming it, not a traceback on rank 0
     try:
         return AutoConfig.from_pretrained(str(cfg.pretrained), trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:

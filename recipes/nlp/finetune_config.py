@@ -20,6 +20,7 @@ from recipe_config import all_reduce, build_model, param_groups, train_loader
 
 from common.config import config_to_dict, dump_yaml, parse_recipe_args
 from common.errors import ConfigError, nearest
+from common.model_folder import check_weight_files
 from common.presets import PRESET_NAMES
 from common.strategy import PRECISIONS
 from nlp.data import DataError
@@ -113,6 +114,7 @@ class FinetuneConfig:
 def require_base_model(cfg: FinetuneConfig) -> None:
     """One error for a base model that is not there, with the command that makes the default one."""
     if (cfg.pretrained / "config.json").is_file():
+        check_weight_files(cfg.pretrained)  # a truncated *.safetensors: one line naming it, not a traceback
         return
     what = "has no config.json" if cfg.pretrained.is_dir() else "not found"
     if cfg.model == DEFAULT_BASE_MODEL:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from common.config import config_to_dict, dump_yaml, parse_overrides, parse_recipe_args
 from common.errors import ConfigError, nearest
+from common.model_folder import check_weight_files
 from common.presets import PRESET_NAMES
 from common.rundir import refuse_existing_out_dir, set_cpu_threads
 from common.strategy import PRECISIONS, RunFacts, cosine_with_warmup, resolve_deepspeed_config
@@ -231,6 +232,7 @@ def model_config(cfg: NLPConfig, tokenizer: Any) -> Any:
 
     if not (cfg.pretrained / "config.json").is_file():
         raise ModelError(f"{cfg.pretrained}: no config.json; expected a Hugging Face model folder")
+    check_weight_files(cfg.pretrained)  # a truncated *.safetensors: one line naming it, not a traceback on rank 0
     try:
         config = AutoConfig.from_pretrained(
             str(cfg.pretrained), local_files_only=True, trust_remote_code=cfg.trust_remote_code

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 EXE = shutil.which("zero-recipes")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -71,3 +74,55 @@ def test_bad_input_one_line_exit_2(args, message):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["config", "nlp"],
+        ["ls"],
+        ["estimate", "--params", "7e9", "--gpus", "8", "--gpu-memory", "80GB"],
+        ["lint", "recipes/nlp/ds_config.json"],
+        ["lint", "recipes/nlp/configs/tiny_cpu.yaml"],  # resolved through the recipe, which lints at its start
+    ],
+    ids=["config", "ls", "estimate", "lint-json", "lint-recipe-yaml"],
+)
+def test_commands_print_nothing_on_stderr(args):
+    """DeepSpeed's "Setting accelerator to CPU" notice (printed when it is imported without a GPU) stays out."""
+    out = subprocess.run([EXE, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout and out.stderr == ""
+
+
+def test_deepspeed_still_logs_its_other_messages():
+    """The filter drops one notice, not DeepSpeed's logger: its warnings still reach the user."""
+    code = (
+        "import logging; from common.cli import quiet_deepspeed_cpu_notice; quiet_deepspeed_cpu_notice(); "
+        "import deepspeed; from deepspeed.utils import logger; logger.warning('a real warning')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    both = out.stdout + out.stderr
+    assert "a real warning" in both and "Setting accelerator to CPU" not in both
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["config", "nlp", "--out", "{file}"],
+        ["config", "cv", "--format", "accelerate", "--out", "{file}/sub"],
+        ["probe", "nlp", "--out", "{file}"],
+        ["cp", "science", "{file}"],
+        ["export", "{file}", "{file}"],
+    ],
+    ids=["config", "config-below-a-file", "probe", "cp", "export"],
+)
+def test_an_output_folder_that_is_a_file_is_refused(args, tmp_path):
+    existing = tmp_path / "notes.txt"
+    existing.write_text("mine\n")
+    out = cli(*[a.format(file=existing) for a in args])
+    assert out.returncode == 2, out.stdout + out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(existing) in errors[0] and "file" in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
+    assert existing.read_text() == "mine\n"

@@ -8,6 +8,7 @@ import pytest
 
 from common.config import load_config, parse_value
 from common.errors import ConfigError
+from common.rundir import prepare_run_dir, refuse_existing_out_dir
 
 
 @dataclass
@@ -80,3 +81,19 @@ def test_bad_files(tmp_path):
     unsafe.write_text("model: !!python/object/apply:os.system ['echo hi']\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(Demo, unsafe)
+
+
+@pytest.mark.parametrize(
+    ("flags", "below"),
+    [({}, False), ({"overwrite": True}, False), ({"resume": True}, False), ({}, True)],
+    ids=["plain", "overwrite", "resume", "below-a-file"],
+)
+def test_out_dir_that_is_a_file_is_refused_and_kept(tmp_path, flags, below):
+    existing = tmp_path / "results.txt"
+    existing.write_text("mine\n")
+    out_dir = existing / "run" if below else existing
+    with pytest.raises(ConfigError, match=f"out_dir {out_dir} .*a file, not a folder"):
+        refuse_existing_out_dir(out_dir, resume=flags.get("resume", False), overwrite=flags.get("overwrite", False))
+    with pytest.raises(ConfigError, match="a file, not a folder"):
+        prepare_run_dir(out_dir, **flags)  # overwrite=true replaces a run directory, never a file
+    assert existing.read_text() == "mine\n"
