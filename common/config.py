@@ -11,8 +11,10 @@ naming the key and the expected type. YAML is read with ``yaml.safe_load`` only.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import sys
 import types
 import typing
 from pathlib import Path
@@ -220,17 +222,23 @@ def dump_yaml(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
-def parse_recipe_args(cls: type[T], default_config: str | Path, argv: list[str] | None = None) -> T:
-    """A recipe's command line: ``--config FILE`` (default ``default_config``), ``key=value`` overrides, and
-    ``--print-config`` (print the resolved config and exit). The description is the running script's docstring."""
-    import argparse
-    import sys
+def recipe_arg_parser(default_config: str | Path) -> argparse.ArgumentParser:
+    """The argparse half of a recipe's command line (``tests/unit/test_docs_commands.py`` parses the docs with it).
 
-    parser = argparse.ArgumentParser(description=(sys.modules["__main__"].__doc__ or "").split("\n")[0])
+    The description is the running script's docstring.
+    """
+    main_doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""
+    parser = argparse.ArgumentParser(description=main_doc.split("\n")[0])
     parser.add_argument("--config", default=str(default_config), help="YAML config (default: %(default)s)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_recipe_args(cls: type[T], default_config: str | Path, argv: list[str] | None = None) -> T:
+    """A recipe's command line: ``--config FILE`` (default ``default_config``), ``key=value`` overrides, and
+    ``--print-config`` (print the resolved config and exit)."""
+    args = recipe_arg_parser(default_config).parse_args(argv)
     loaded = load_config(cls, args.config, args.overrides)
     if args.print_config:
         print(dump_yaml(config_to_dict(loaded)), end="")
