@@ -4,7 +4,10 @@
 
 For each model shape and each ZeRO stage (presets ddp, deepspeed_stage_1/2/3, bf16, resolved by the
 factory), build the model afresh, ``deepspeed.initialize`` it, train one step, and count what every rank
-holds with common.accounting.model_state_bytes. Rank 0 writes OUT.json.
+holds with common.accounting.model_state_bytes: after the step, and at every parameter's gradient during
+the second step's backward pass (the resident peak: gradients alive, buckets in use, stage-3 parameters
+gathered; the second, because Adam allocates its moments in the first step).
+Rank 0 writes OUT.json.
 """
 
 from __future__ import annotations
@@ -44,6 +47,38 @@ def make_model(shape: str) -> torch.nn.Module:
     return build_model_from_config(build_llama_config("tiny", seq_len=SEQ, **SHAPES[shape]), "sdpa")
 
 
+def gathered_bytes(module: torch.nn.Module) -> int:
+    """Stage 3: bytes of full parameters gathered right now (not the persistent ones, which accounting counts)."""
+    storages = {}
+    for param in module.parameters():
+        if hasattr(param, "ds_tensor") and not getattr(param, "ds_persist", False) and param.data.numel() > 0:
+            storage = param.data.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def resident_now(engine) -> dict:
+    """What the rank holds at this moment: model states, ZeRO buffers, and (stage 3) gathered parameters."""
+    held = model_state_bytes(engine)
+    held["gathered"] = gathered_bytes(engine.module)
+    held["resident_buffers"] = held["buffers"] + held["gathered"]
+    held["resident"] = held["total"] + held["gathered"]
+    return held
+
+
+def watch_backward(engine) -> dict:
+    """Snapshot what is resident after each parameter's gradient is accumulated; keep the largest."""
+    peak: dict = {"resident": -1}
+
+    def snapshot(_param: torch.Tensor) -> None:
+        now = resident_now(engine)
+        if now["resident"] > peak["resident"]:
+            peak.update(now)
+
+    handles = [p.register_post_accumulate_grad_hook(snapshot) for p in engine.module.parameters()]
+    return {"peak": peak, "handles": handles}
+
+
 def one_step(shape: str, stage: int) -> dict:
     import deepspeed
 
@@ -62,8 +97,16 @@ def one_step(shape: str, stage: int) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
+    watch = watch_backward(engine)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    for handle in watch["handles"]:
+        handle.remove()
+    after_backward = resident_now(engine)
+    engine.step()
     persistent = sum(p.ds_numel for p in engine.module.parameters() if getattr(p, "ds_persist", False))
     measured = model_state_bytes(engine)
+    measured["backward_peak"] = watch["peak"]
+    measured["after_backward"] = after_backward
     everyone: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, measured)
     row = {
@@ -74,6 +117,7 @@ def one_step(shape: str, stage: int) -> dict:
         "largest_layer_params": largest,
         "hidden_size": hidden,
         "persistent_params": persistent,
+        "model_config": json.loads(model.config.to_json_string()),  # what `estimate --model-config` reads
         "zero_optimization": ds_config["zero_optimization"],
         "ranks": everyone,
     }

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,7 @@ class Row:
     offload: str
     preset: str
     model_states_bytes: float
+    model_states_after_step_bytes: float
     model_states_host_bytes: float
     deepspeed_estimate_bytes: float | None
     deepspeed_host_estimate_bytes: float | None
@@ -424,9 +426,9 @@ def guide_model_states(
 
     Gradients are counted alive by default (the peak, during backward; ``grads_alive=False`` is the state
     after ``step()``). With LoRA the frozen base holds only its working copy (no gradients, no optimizer
-    states) and the adapters follow the formula. Stage 3 adds P bytes for every parameter under
-    ``persistence_threshold``: DeepSpeed keeps it whole on every rank as well as its partition, which the
-    guide's 16K/N already counts.
+    states) and the adapters follow the formula. Stage 3 on more than one rank adds P bytes for every
+    parameter under ``persistence_threshold``: DeepSpeed keeps it whole on every rank as well as its
+    partition, which the guide's 16K/N already counts.
     """
     from common.accounting import predicted_model_state_bytes
 
@@ -439,7 +441,9 @@ def guide_model_states(
         parts = {**parts, "params": parts["params"] + base}
     else:
         parts = predicted_model_state_bytes(facts.num_params, stage, world_size, precision, grads_alive=grads_alive)
-    whole_copies = WORKING_BYTES[precision] * persistent_params(facts, persistence_threshold) if stage == 3 else 0
+    # On one rank the partition is the whole parameter: no second copy (measured: bench/memory.py).
+    sharded = stage == 3 and world_size > 1
+    whole_copies = WORKING_BYTES[precision] * persistent_params(facts, persistence_threshold) if sharded else 0
     device, host = parts["params"] + parts["grads"] + parts["optimizer"] + whole_copies, 0.0
     if offload in ("optimizer", "params"):
         device -= parts["optimizer"]
@@ -684,6 +688,9 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
         zero = _preset_zero(stage, offload, bucket, facts.hidden_size)
         threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if stage == 3 else 0
         device, host = guide_model_states(facts, stage, offload, n, inputs.precision, inputs.lora_rank, threshold)
+        after_step, _ = guide_model_states(
+            facts, stage, offload, n, inputs.precision, inputs.lora_rank, threshold, grads_alive=False
+        )
         if inputs.lora_rank:
             ds_gpu, ds_cpu = None, None
         else:
@@ -710,6 +717,7 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
                 offload=offload,
                 preset=ROW_PRESETS[(stage, offload)],
                 model_states_bytes=device,
+                model_states_after_step_bytes=after_step,
                 model_states_host_bytes=host,
                 deepspeed_estimate_bytes=ds_gpu,
                 deepspeed_host_estimate_bytes=ds_cpu,
@@ -844,7 +852,7 @@ def format_plan(result: Plan) -> str:
     lines.append("")
     header = (
         f"{'stage':>5}  {'offload':<9}  {'guide states':>12}  {'DeepSpeed est.':>14}  {'activations':>11}  "
-        f"{'act. ' + ac:>16}  {'buffers':>9}  {'host/node':>10}  fits"
+        f"{'act. ' + ac:>16}  {'buffers <=':>10}  {'host/node':>10}  fits"
     )
     lines += [header, "-" * len(header)]
     for r in result.rows:
@@ -858,7 +866,7 @@ def format_plan(result: Plan) -> str:
         lines.append(
             f"{r.stage:>5}  {r.offload:<9}  {fmt_gb(r.model_states_bytes):>12}  "
             f"{fmt_gb(r.deepspeed_estimate_bytes):>14}  {fmt_gb(r.activations_bytes):>11}  "
-            f"{fmt_gb(r.activations_checkpointed_bytes):>16}  {fmt_gb(r.buffers_bytes):>9}  "
+            f"{fmt_gb(r.activations_checkpointed_bytes):>16}  {fmt_gb(r.buffers_bytes):>10}  "
             f"{fmt_gb(r.host_ram_per_node_bytes):>10}  {fits}"
         )
     rec = result.recommendation
@@ -868,9 +876,11 @@ def format_plan(result: Plan) -> str:
         "  of stage-3 persistent params), offloaded terms moved to host. DeepSpeed est.: estimate_zero{2,3}_model_",
         "  states_mem_needs (18 B/param sharded + largest layer; none for stages 0-1). activations: bytes saved for",
         "  backward at their peak, counted per op for this attention (eager adds the a*s*s softmax; sdpa/flash keep",
-        "  a log-sum-exp); checked against autograd (bench/activations.py). buffers: an upper bound: overlap_comm",
+        "  a log-sum-exp); checked against autograd (bench/activations.py). buffers <=: an upper bound: overlap_comm",
         "  ~4.5 x buckets; stage 3 reduce bucket preallocated + prefetch (measured resident: bench/memory.py).",
         "",
+    ]
+    recommended = (
         f"recommended: {rec['preset'] or 'none'}"
         + (
             f" (stage {rec['stage']}, offload {rec['offload']}, "
@@ -878,8 +888,9 @@ def format_plan(result: Plan) -> str:
             if rec.get("preset")
             else ""
         )
-        + f" — {rec['reason']}",
-    ]
+        + f" — {rec['reason']}"
+    )
+    lines += textwrap.wrap(recommended, width=len(header), subsequent_indent="  ", break_on_hyphens=False)
     return "\n".join(lines)
 
 

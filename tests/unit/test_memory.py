@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from common import memory
 from common.memory import GB, ModelFacts, PlanInputs
 
 EXE = shutil.which("zero-recipes")
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 # Guide 1, 2.2: 7B parameters, mixed-precision Adam, 8 GPUs.
 GUIDE_TABLE_GB = {0: 112.0, 1: 38.5, 2: 26.25, 3: 14.0}
@@ -260,3 +263,40 @@ def test_recipe_input_reads_the_recipe_and_labels_the_device():
     assert data["model"]["architecture"] == "transformer" and data["model"]["hidden_size"] == 256
     assert data["inputs"]["seq_len"] == 256 and data["inputs"]["micro_batch_size"] == 4
     assert data["inputs"]["device_memory_label"]  # "local GPU: ..." or "no GPU: host RAM ..."
+
+
+def test_tools_md_example_is_the_commands_output():
+    """docs/tools.md shows guide 1's table as `estimate` prints it: the block must equal a fresh run, line for line."""
+    text = (DOCS / "tools.md").read_text()
+    command = "zero-recipes estimate --params 7e9 --gpus 8 --gpu-memory 80GB"
+    match = re.search(rf"```\n\$ {re.escape(command)}\n(.*?)\n```", text, re.S)
+    assert match, f"docs/tools.md: no example block for `{command}`"
+    out = cli(*command.split()[1:])
+    assert out.returncode == 0, out.stderr
+    fix = f"paste the output of `{command}` into docs/tools.md"
+    assert match.group(1).splitlines() == out.stdout.rstrip("\n").splitlines(), fix
+
+
+def test_tools_md_claim_about_guide_1s_measured_totals():
+    """tools.md: the planner's totals (no / full checkpointing) bracket guide 1's 47 and 22 GB; both exceed 33 GB."""
+    facts = memory.assumed_transformer(7_000_000_000)
+    rows = {r.stage: r for r in memory.plan(facts, PlanInputs(gpus_per_node=8)).rows if r.offload == "none"}
+    for stage, measured_gb in {1: 47, 3: 22}.items():
+        assert rows[stage].total_checkpointed_bytes < measured_gb * GB < rows[stage].total_bytes
+    assert rows[2].total_checkpointed_bytes > 33 * GB
+
+
+def test_choosing_a_stage_quotes_what_estimate_prints():
+    """Every figure in docs/choosing_a_stage.md's estimate table is in the output of the command on its row."""
+    rows = re.findall(
+        r"^\| `(zero-recipes estimate [^`]*)` \| (.*?) \| (.*?) \|$", (DOCS / "choosing_a_stage.md").read_text(), re.M
+    )
+    assert len(rows) == 3
+    for command, recommends, why in rows:
+        out = cli(*command.split()[1:])
+        assert out.returncode == 0, out.stderr
+        recommended = " ".join(out.stdout.split("recommended:")[1].split())
+        for figure in re.findall(r"[0-9]+\.[0-9]+ GB", why):
+            assert figure in recommended, (command, figure, recommended)
+        preset = re.search(r"`(deepspeed_stage_\d)`", recommends)
+        assert preset is None or recommended.split()[0] == preset.group(1), (command, recommended)
