@@ -7,9 +7,8 @@ Each preset trains the NLP tiny model (Llama, hidden 256, 4 layers, 5.3M paramet
 micro batch 8, bf16) through a raw DeepSpeed loop on 2 CPU processes (gloo), with the preset resolved by
 the factory exactly as the recipes resolve it. ``deepspeed_stage_1`` is the reference and repetitions are
 interleaved (the order rotates), so a throughput ratio always compares runs made side by side. Per preset:
-median step time after warm-up, tokens/s per rank, CPU time per step (``process_time`` of the busiest rank:
-the work done, which other jobs on a shared machine do not inflate the way they inflate wall time), peak RSS
-(the largest rank), model-state bytes and ZeRO buffers per rank (rank 0, common.accounting, after the last step).
+median step time after warm-up, tokens/s per rank, peak RSS (the largest rank), model-state bytes and ZeRO
+buffers per rank (rank 0, common.accounting, after the last step).
 
 One run writes bench/results/stages.json (through write_results: provenance included); the docs are rendered
 from that file alone: docs/benchmarks.md (section "stages"), docs/presets.md (section "presets") and
@@ -54,6 +53,9 @@ DOCS = {"stages": DOC, "presets": PRESETS_DOC}
 PLOT = REPO / "docs" / "img" / "stage_ladder.png"
 TOKENS_PER_STEP = 8 * 256  # micro batch x seq len, per rank (bench/_step_worker.py)
 MiB = 2**20
+# Repetitions that disagree by more than this fraction of their median do not decide a ratio (another job
+# started or stopped between two launches on a shared machine): the table says "not resolved" instead.
+RESOLVED_SPREAD = 0.2
 
 
 def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict]:
@@ -76,7 +78,6 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict]:
                     continue
                 run = json.loads(out.read_text())
                 run["median_step_s"] = median(run["step_times"][WARMUP:])
-                run["cpu_step_s"] = max(median(rank["cpu_step_times"][WARMUP:]) for rank in run["ranks"])
                 runs[preset].append(run)
                 print(f"rep {rep} {preset:>32}: median step {run['median_step_s'] * 1e3:8.1f} ms", flush=True)
     return summarize(runs, errors)
@@ -93,7 +94,6 @@ def last_error_line(text: str) -> str:
 def summarize(runs: dict[str, list[dict]], errors: dict[str, str]) -> dict[str, dict]:
     """Per preset: ratio to stage 1 per repetition (same rep, side by side), median and spread."""
     reference = [r["median_step_s"] for r in runs[REFERENCE]]
-    reference_cpu = [r["cpu_step_s"] for r in runs[REFERENCE]]
     rows = {}
     for preset, reps in runs.items():
         if preset in errors:
@@ -102,16 +102,12 @@ def summarize(runs: dict[str, list[dict]], errors: dict[str, str]) -> dict[str, 
         ratios = [ref / r["median_step_s"] for ref, r in zip(reference, reps)]
         last = reps[-1]["ranks"]
         step_s = [r["median_step_s"] for r in reps]
-        cpu_ratios = [ref / r["cpu_step_s"] for ref, r in zip(reference_cpu, reps)]
         rows[preset] = {
             "throughput_vs_stage1": median(ratios),
             "ratios": ratios,
             "median_step_s_per_rep": step_s,
             "median_step_s": median(step_s),
             "tokens_per_s_per_rank": TOKENS_PER_STEP / median(step_s),
-            "cpu_step_s_per_rep": [r["cpu_step_s"] for r in reps],
-            "cpu_vs_stage1": median(cpu_ratios),
-            "cpu_ratios": cpu_ratios,
             "peak_rss_bytes": max(rank["peak_rss_bytes"] for rank in last),
             "model_state_bytes": last[0]["model_states"],
             "buffer_bytes": last[0]["buffers"],
@@ -119,16 +115,19 @@ def summarize(runs: dict[str, list[dict]], errors: dict[str, str]) -> dict[str, 
     return rows
 
 
-def ratio_text(row: dict, key: str = "throughput_vs_stage1", reps_key: str = "ratios") -> str:
-    """Median ratio in bold, with the min-max over repetitions when there are several."""
-    if len(row[reps_key]) == 1:
-        return f"**{row[key]:.2f}**"
-    low, high = spread(row[reps_key])
-    return f"**{row[key]:.2f}** ({low:.2f}-{high:.2f})"
+def resolved(row: dict) -> bool:
+    low, high = spread(row["ratios"])
+    return high - low <= RESOLVED_SPREAD * row["throughput_vs_stage1"]
 
 
-def cpu_text(row: dict) -> str:
-    return ratio_text(row, "cpu_vs_stage1", "cpu_ratios")
+def ratio_text(row: dict) -> str:
+    """The median ratio in bold with its min-max, or "not resolved" when the repetitions disagree too much."""
+    if len(row["ratios"]) == 1:
+        return f"**{row['throughput_vs_stage1']:.2f}** (one repetition)"
+    low, high = spread(row["ratios"])
+    if not resolved(row):
+        return f"not resolved: {row['throughput_vs_stage1']:.2f} ({low:.2f}-{high:.2f})"
+    return f"**{row['throughput_vs_stage1']:.2f}** ({low:.2f}-{high:.2f})"
 
 
 def ladder_table(rows: dict[str, dict]) -> str:
@@ -136,10 +135,8 @@ def ladder_table(rows: dict[str, dict]) -> str:
         "preset",
         "throughput vs stage 1, here (median, min-max over reps)",
         "guide 1 (7B, 8 GPUs)",
-        "stage 1's CPU time per step / the preset's",
         "tokens/s per rank",
         "step ms",
-        "CPU ms per step",
     )
     for preset in LADDER:
         row = rows.get(preset)
@@ -147,9 +144,8 @@ def ladder_table(rows: dict[str, dict]) -> str:
             continue
         guide = GUIDE_RATIO.get(preset)
         lines.append(
-            f"| {preset} | {ratio_text(row)} | {'-' if guide is None else f'{guide:.2f}'} | {cpu_text(row)} | "
-            f"{row['tokens_per_s_per_rank']:.0f} | {row['median_step_s'] * 1e3:.0f} | "
-            f"{median(row['cpu_step_s_per_rep']) * 1e3:.0f} |"
+            f"| {preset} | {ratio_text(row)} | {'-' if guide is None else f'{guide:.2f}'} | "
+            f"{row['tokens_per_s_per_rank']:.0f} | {row['median_step_s'] * 1e3:.0f} |"
         )
     return "\n".join(lines)
 
@@ -165,7 +161,6 @@ def presets_table(rows: dict[str, dict]) -> str:
         "ZeRO",
         "offload",
         "throughput vs stage 1",
-        "CPU time, stage 1 / preset",
         "tokens/s per rank",
         "peak RSS per rank",
         "model states per rank",
@@ -176,12 +171,12 @@ def presets_table(rows: dict[str, dict]) -> str:
         head = f"| {preset} | {spec['stage']} | {offload_text(spec['zero_optimization'])} |"
         row = rows.get(preset)
         if row is None:
-            lines.append(f"{head} not measured in this run | | | | | |")
+            lines.append(f"{head} not measured in this run | | | | |")
         elif "error" in row:
-            lines.append(f"{head} did not run on this CPU: `{row['error']}` | | | | | |")
+            lines.append(f"{head} did not run on this CPU: `{row['error']}` | | | | |")
         else:
             lines.append(
-                f"{head} {ratio_text(row)} | {cpu_text(row)} | {row['tokens_per_s_per_rank']:.0f} | "
+                f"{head} {ratio_text(row)} | {row['tokens_per_s_per_rank']:.0f} | "
                 f"{row['peak_rss_bytes'] / MiB:.0f} MiB | {row['model_state_bytes'] / MiB:.1f} MiB | "
                 f"{row['buffer_bytes'] / MiB:.1f} MiB |"
             )
@@ -207,9 +202,9 @@ nothing and adds only the copies and DeepSpeedCPUAdam's step in place of AdamW's
             " Stages 1 and 2 do the same work on this machine: stage 2's spread between repetitions includes 1.00."
             if within_spread(stage2, 1.0)
             else f" Stage 2 ran at {stage2['throughput_vs_stage1']:.2f}x of stage 1 (its spread between repetitions "
-            f"excludes 1.00)."
+            "excludes 1.00)."
         )
-    if "ratios" in stage3 and "ratios" in offload:
+    if "ratios" in stage3 and "ratios" in offload and resolved(stage3) and resolved(offload):
         text += (
             f" Stage 3 + offload ran at {offload['throughput_vs_stage1']:.2f}x, next to stage 3's "
             f"{stage3['throughput_vs_stage1']:.2f}x, against guide 1's {GUIDE_RATIO['deepspeed_stage_3_offload']:.2f}."
@@ -224,9 +219,9 @@ GPUs: run `zero-recipes probe` on the real hardware for that."""
 def run_text(results: dict) -> str:
     return (
         f"{results['reps']} interleaved repetitions of {results['steps']} steps per preset ({results['warmup']} "
-        f"warm-up steps left out of each median); `{results['reference']}` runs in every repetition. Wall-time "
-        "ratios move with whatever else runs on the machine between two launches; the CPU-time ratio (the busiest "
-        "rank's `process_time` per step) counts only the work each preset does."
+        f"warm-up steps left out of each median); `{results['reference']}` runs in every repetition. A ratio whose "
+        f"repetitions spread by more than {RESOLVED_SPREAD:.0%} of its median is marked not resolved: other work "
+        "on the machine changed between two launches."
     )
 
 
