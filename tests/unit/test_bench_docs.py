@@ -31,10 +31,8 @@ RESULTS_BENCH = {
     "export_memory.json": "export_memory.py",
     "overhead.json": "overhead.py",
     "memory.json": "memory.py",
+    "activations.json": "activations.py",
 }
-# Benches whose render_sections is still being written (issue 14, other engineers): skipped, not failed,
-# while they lack it. Empty this once they land; every other bench must render.
-PENDING_RENDER = {"overhead.py", "memory.py"}
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 
 RESULTS_FILES = sorted(p.name for p in RESULTS_DIR.iterdir() if p.is_file())
@@ -50,12 +48,8 @@ def load_bench(name: str):
 
 
 def renderer(bench: str):
-    """The bench's render_sections, or a skip while it is one of the benches still gaining it."""
     render = getattr(load_bench(bench), "render_sections", None)
-    if render is None:
-        if bench in PENDING_RENDER:
-            pytest.skip(f"bench/{bench} has no render_sections yet (issue 14: its engineer is adding it)")
-        pytest.fail(f"bench/{bench} writes results but has no render_sections(document)")
+    assert render is not None, f"bench/{bench} writes results but has no render_sections(document)"
     return render
 
 
