@@ -119,12 +119,15 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict[str, li
     return runs
 
 
+TORCH_OPS = "torch C++ ops (forward, backward, Adam)"
+
+
 def area_of(filename: str, func: str = "") -> str:
     if filename == "~":  # a C function: name it by what it belongs to
         if "c10d" in func or "wait" in func:
             return "collectives (gloo)"
         if "torch" in func or "run_backward" in func:
-            return "torch C++ ops (forward, backward, Adam)"
+            return TORCH_OPS
         return "python builtins"
     for area, needles in AREAS:
         if any(n in filename for n in needles):
@@ -286,8 +289,33 @@ def render_sections(document: dict) -> dict[str, str]:
     results = document["results"]
     sections = {"overhead": render_overhead(results)}
     if results.get("profile"):
-        sections["overhead-profile"] = render_profile(results["profile"])
+        sections["overhead-profile"] = render_profile(results["profile"]) + "\n\n" + reading(results)
     return sections
+
+
+def reading(results: dict) -> str:
+    """What the profile says about the table: each framework's own CPU per step against the spread of its ratios."""
+    prof, runs = results["profile"], results["runs"]
+    raw_ms = prof["backends"]["raw"]["thread_cpu_ms"]
+    lines = ["What the two sections say together:", ""]
+    for backend in FRAMEWORKS:
+        own = prof["backends"][backend]["areas"].get(backend, 0.0)
+        cpu = [summarize(by_backend, backend)["cpu_ms"] for by_backend in runs.values()]
+        lines.append(
+            f"- {backend}: its own code costs {own:.1f} ms of CPU per step on rank 0 ({own / raw_ms:.1%} of raw "
+            f"DeepSpeed's profiled {raw_ms:.0f} ms), while its per-repetition CPU-time ratios spread over "
+            f"{min(c['min'] for c in cpu):.3f}-{max(c['max'] for c in cpu):.3f} (all presets)."
+        )
+    torch_ops = [b["areas"].get(TORCH_OPS, 0.0) for b in prof["backends"].values()]
+    lines += [
+        "",
+        f"The {TORCH_OPS} row, the same operations under every backend, spans {min(torch_ops):.0f}-"
+        f"{max(torch_ops):.0f} ms per step across the columns ({max(torch_ops) / min(torch_ops) - 1:.1%}): other "
+        "work on this shared machine slows the same instructions (cache and memory traffic), so a CPU-time ratio "
+        "of one repetition carries noise of that size. A spread on both sides of 1 is that noise; a spread wholly "
+        "above 1 by more than the framework's own code is work the framework causes in DeepSpeed or torch.",
+    ]
+    return "\n".join(lines)
 
 
 def write_docs(document: dict) -> None:
