@@ -6,6 +6,7 @@ real DeepSpeed run that has every ZeRO stage, both backends and a deterministic 
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
@@ -48,6 +49,27 @@ def launch(backend: str, overrides: list[str], processes: int = 2, check: bool =
 def losses(out_dir: Path) -> dict[int, float]:
     """step -> train loss; a resumed run's records replace those the crashed run wrote for the same steps."""
     return {r["step"]: r["train_loss"] for r in read_metrics(out_dir) if "train_loss" in r}
+
+
+def metrics_lines(out_dir: Path) -> int:
+    """How many lines ``metrics.jsonl`` holds now: what a resumed run appends comes after them."""
+    path = out_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def losses_logged_since(out_dir: Path, lines: int) -> dict[int, float]:
+    """step -> train loss of the records appended after the first ``lines`` lines: what the resumed process wrote.
+
+    A resumed run starts from a copy (or the remains) of a run directory whose metrics.jsonl already holds the
+    compared steps; reading only the appended lines makes "the resumed run logged nothing" a failure, not a pass.
+    """
+    records = []
+    for line in (out_dir / "metrics.jsonl").read_text().splitlines()[lines:]:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return {r["step"]: r["train_loss"] for r in records if "train_loss" in r}
 
 
 def one_error(proc, backend: str) -> str:
@@ -145,11 +167,13 @@ def test_sigkill_of_one_rank_stops_the_run_and_resume_reproduces_the_uninterrupt
         partial.mkdir(exist_ok=True)
         (partial / "half_written.pt").write_bytes(b"\0" * 100)
 
+        logged_before = metrics_lines(out_dir)
         proc = launch(backend, args(out_dir, max_steps=16, checkpoint_interval=4, resume="true"))
         assert f"resuming from {latest} (step {start})" in proc.stdout + proc.stderr, backend
         assert not partial.exists(), backend
         assert latest_checkpoint(out_dir).name == "step_000016", backend
-        resumed = losses(out_dir)
+        resumed = losses_logged_since(out_dir, logged_before)  # only what the resumed process logged
+        assert sorted(resumed) == list(range(start + 1, 17)), (backend, sorted(resumed))
         for step in range(start + 1, 17):  # fp32, same data, same seeds: the uninterrupted run's numbers
             assert resumed[step] == pytest.approx(expected[step], rel=1e-6), (backend, step)
 
@@ -200,13 +224,15 @@ def test_checkpoint_of_2_processes_resumes_on_1_and_on_4(tmp_path, deterministic
         shutil.rmtree(out_dir / "checkpoints" / "step_000004")
         (out_dir / "checkpoints" / "latest").write_text("step_000002\n")
         overrides = args(out_dir, **run_config, checkpoint_interval=2, resume="true")
+        logged_before = metrics_lines(out_dir)  # the copy holds the 2-process run's steps 1-4 already
         proc = launch(backend, [*overrides, f"micro_batch_size={MICRO_FOR[processes]}"], processes=processes)
         log = proc.stdout + proc.stderr
         assert f"written by 2 processes, resumed on {processes}" in log, (backend, stage, processes)
         assert "the global batch stays 8 samples" in log
         assert (out_dir / "universal" / "step_000002" / "latest_universal").is_file()
-        resumed = losses(out_dir)
+        resumed = losses_logged_since(out_dir, logged_before)  # only what the resumed process logged
         case = (backend, stage, processes)
+        assert sorted(resumed) == [3, 4], (*case, sorted(resumed))
         assert resumed[3] == pytest.approx(expected[3], rel=WEIGHTS_RTOL), (*case, resumed[3], expected[3])
         assert resumed[4] == pytest.approx(expected[4], rel=STEP_RTOL[stage]), (*case, resumed[4], expected[4])
         differences = [f"{resumed[step] / expected[step] - 1:.1e}" for step in (3, 4)]
