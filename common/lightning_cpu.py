@@ -1,6 +1,6 @@
 """Lightning's DeepSpeed strategy, made to run real ZeRO on a CPU as well as on GPUs.
 
-Lightning's ``DeepSpeedStrategy`` refuses a CPU in three places (tested with lightning 2.6):
+Lightning's ``DeepSpeedStrategy`` refuses a CPU in three places (tested with lightning 2.6, see ``TESTED_LIGHTNING``):
 
 1. ``setup_environment`` raises unless the accelerator is CUDA;
 2. ``setup_distributed`` validates device indices against local ranks (CPU devices have no index);
@@ -15,23 +15,56 @@ Lightning upgrade that moves these places fails a test rather than silently fall
 from __future__ import annotations
 
 import argparse
+import functools
+import warnings
 from typing import Any
 
+import lightning
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from common.resume import param_groups_kept
 
-# The Lightning versions this subclass is tested against; pyproject pins the same range.
-TESTED_LIGHTNING = (">=2.5", "<2.7")
+# The Lightning versions this subclass is tested against (CI runs 2.6.x). The private methods it overrides
+# (``_setup_model_and_optimizer``, ``_init_deepspeed_distributed``) may move in any minor release.
+TESTED_LIGHTNING = ">=2.6,<2.7"
+
+
+def untested_lightning_message(version: str) -> str | None:
+    """The warning for a Lightning ``version`` outside :data:`TESTED_LIGHTNING`, or None when it is tested."""
+    if Version(version) in SpecifierSet(TESTED_LIGHTNING):
+        return None
+    return (
+        f"lightning {version} is outside the versions common.lightning_cpu is tested with ({TESTED_LIGHTNING}): "
+        "ZeRO on a CPU overrides private DeepSpeedStrategy methods that may have changed; "
+        "run tests/distributed/test_zero_cpu.py to check it"
+    )
+
+
+def warn_if_untested_lightning() -> None:
+    """Warn (once per process) when the installed Lightning is not one this module is tested with."""
+    _warn_once(lightning.__version__)
+
+
+@functools.cache
+def _warn_once(version: str) -> None:
+    message = untested_lightning_message(version)
+    if message:
+        warnings.warn(message, UserWarning, stacklevel=4)
 
 
 class ZeroDeepSpeedStrategy(DeepSpeedStrategy):
     """``DeepSpeedStrategy`` that also accepts ``Trainer(accelerator="cpu", devices=N)``."""
 
     strategy_name = "zero_deepspeed"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        warn_if_untested_lightning()
+        super().__init__(*args, **kwargs)
 
     @property
     def _on_cpu(self) -> bool:

@@ -1,8 +1,10 @@
 """Train a small MLP for a few steps through Lightning or Accelerate with a factory preset; record facts.
 
-Each rank writes ``OUT/rank{r}.json`` with its per-step losses, the DeepSpeed engine's effective
-settings (batch, accumulation, clipping, precision, every ZeRO field) and the model-state bytes it
-holds (``common.accounting``). The tests compare these across stages and backends.
+Each rank writes ``OUT/rank{r}.json`` with its per-step losses, the loss on one fixed batch before and
+after training, the world size as the launcher and the process group see it, the DeepSpeed engine's
+effective settings (batch, accumulation, clipping, precision, every ZeRO field) next to the clipping the
+factory wrote, and the model-state bytes it holds (``common.accounting``). The tests compare these across
+stages and backends.
 
     python tests/distributed/worker.py --backend lightning --preset deepspeed_stage_3 --precision fp32 --out OUT
     accelerate launch --config_file CFG tests/distributed/worker.py --backend accelerate ...
@@ -62,6 +64,24 @@ def make_data(n: int = 256) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
+def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The same batch on every rank, before and after training: the whole data set (256 samples)."""
+    return make_data().tensors
+
+
+def fixed_batch_loss(net: torch.nn.Module, dtype: torch.dtype) -> float:
+    """Loss of ``net`` on :func:`fixed_batch`; every rank calls it (stage 3 gathers weights collectively)."""
+    x, y = fixed_batch()
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(net(x.to(dtype)).float(), y).item()
+
+
+def grad_norm(engine) -> float | None:
+    """The global gradient norm DeepSpeed computed for the last step (before clipping), if it reports one."""
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
 def engine_facts(engine) -> dict:
     """The settings DeepSpeed actually runs with (what both backends must agree on)."""
     return {
@@ -75,17 +95,36 @@ def engine_facts(engine) -> dict:
     }
 
 
-def dump(out: Path, rank: int, losses: list[float], engine, num_params: int) -> None:
+def launcher_world_size() -> int:
+    """WORLD_SIZE as the launcher set it (0 if unset); read during training: Lightning deletes it at teardown."""
+    return int(os.environ.get("WORLD_SIZE", "0"))
+
+
+def dump(
+    out: Path,
+    rank: int,
+    losses: list[float],
+    norms: list[float | None],
+    fixed: list[float],
+    world_size_env: int,
+    engine,
+    ds_config: dict,
+    num_params: int,
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     record = {
         "rank": rank,
         "losses": losses,
+        "grad_norms": norms,
+        "fixed_batch_loss": {"before": fixed[0], "after": fixed[1]},
+        "world_size_env": world_size_env,
+        "factory_gradient_clipping": ds_config.get("gradient_clipping"),  # None: the factory left it out
         "engine": engine_facts(engine),
         "state_bytes": model_state_bytes(engine),
         "num_params": num_params,
         "persistent_params": sum(p.ds_numel for p in engine.module.parameters() if getattr(p, "ds_persist", False)),
         "optimizer": type(engine.optimizer).__name__,
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "world_size_process_group": torch.distributed.get_world_size(),  # the group DeepSpeed reduces over
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
 
@@ -96,6 +135,10 @@ def run_lightning(args, ds_config) -> None:
     from common.strategy import lightning_trainer_kwargs
 
     losses: list[float] = []
+    norms: list[float | None] = []
+    fixed: list[float] = []
+    world_size_env: list[int] = []
+    dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -110,6 +153,16 @@ def run_lightning(args, ds_config) -> None:
             loss = torch.nn.functional.mse_loss(self.net(x).float(), y)
             losses.append(loss.item())
             return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            norms.append(grad_norm(self.trainer.strategy.model))
+
+        def on_train_start(self) -> None:
+            world_size_env.append(launcher_world_size())
+            fixed.append(fixed_batch_loss(self.net, dtype))
+
+        def on_train_end(self) -> None:
+            fixed.append(fixed_batch_loss(self.net, dtype))
 
         def configure_optimizers(self):
             params = [p for p in self.parameters() if p.requires_grad]
@@ -129,7 +182,8 @@ def run_lightning(args, ds_config) -> None:
         **lightning_trainer_kwargs(ds_config),
     )
     trainer.fit(module, loader)
-    dump(Path(args.out), trainer.global_rank, losses, trainer.strategy.model, num_params)
+    record = (losses, norms, fixed, world_size_env[0], trainer.strategy.model, ds_config, num_params)
+    dump(Path(args.out), trainer.global_rank, *record)
 
 
 def run_accelerate(args, ds_config) -> None:
@@ -147,7 +201,9 @@ def run_accelerate(args, ds_config) -> None:
     loader = torch.utils.data.DataLoader(make_data(), batch_size=args.micro_batch_size)
     engine, optimizer, loader = accelerator.prepare(net, optimizer, loader)
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
+    fixed = [fixed_batch_loss(engine, dtype)]
     losses: list[float] = []
+    norms: list[float | None] = []
     for step, (x, y) in enumerate(loader, start=1):
         with accelerator.accumulate(engine):
             loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
@@ -155,9 +211,12 @@ def run_accelerate(args, ds_config) -> None:
             optimizer.step()
             optimizer.zero_grad()
         losses.append(loss.item())
+        norms.append(grad_norm(engine))
         if step >= args.steps * ds_config["gradient_accumulation_steps"]:
             break
-    dump(Path(args.out), accelerator.process_index, losses, engine, num_params)
+    fixed.append(fixed_batch_loss(engine, dtype))
+    record = (losses, norms, fixed, launcher_world_size(), engine, ds_config, num_params)
+    dump(Path(args.out), accelerator.process_index, *record)
 
 
 def main() -> None:
@@ -170,6 +229,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--gradient-clipping", type=float, default=1.0)
     parser.add_argument("--activation-checkpointing", default="none")
     parser.add_argument("--frozen", action="store_true")
     parser.add_argument("--set", action="append", default=[])
@@ -186,6 +246,7 @@ def main() -> None:
         grad_accum=args.grad_accum,
         precision=args.precision,
         hidden_size=HIDDEN,
+        gradient_clipping=args.gradient_clipping,
     )
     ds_config = resolve_deepspeed_config(args.preset, facts, parse_overrides(args.set))
     (run_lightning if args.backend == "lightning" else run_accelerate)(args, ds_config)
