@@ -25,12 +25,15 @@ holds; anything else is refused, not executed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
 import re
 import shutil
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -579,43 +582,142 @@ def export_checkpoint(
     }
 
 
-# --- verifying ------------------------------------------------------------------------------------
+# --- verifying: against DeepSpeed's own reader, not the code that wrote the export ---------------
+
+
+@contextlib.contextmanager
+def _weights_only_loads() -> Iterator[None]:
+    """Make every ``torch.load`` inside the block ``weights_only=True`` with the DeepSpeed allow-list.
+
+    DeepSpeed's ``zero_to_fp32`` loads with ``weights_only=False``; torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``
+    overrides that, so its reader unpickles nothing that :func:`load_structure` would refuse.
+    """
+    saved = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(_deepspeed_pickle_classes()):
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = saved
+
+
+def deepspeed_reference(tag_dir: Path) -> dict[str, Any]:
+    """DeepSpeed's own consolidation of the checkpoint in ``tag_dir``, lazily: ``.contiguous()`` gathers a tensor.
+
+    ``get_fp32_state_dict_from_zero_checkpoint`` reads the shards with DeepSpeed's own layout code, so it is an
+    independent reference for the export, which uses this module's. Its chatter goes nowhere.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    quiet = io.StringIO()
+    try:
+        with _weights_only_loads(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name, lazy_mode=True)
+    except Exception as exc:  # any failure of DeepSpeed's reader means: cannot verify
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ConfigError(f"--verify: DeepSpeed's zero_to_fp32 could not read {tag_dir} ({reason})") from None
+
+
+def reference_prefix(names: list[str], reference_keys: set[str]) -> str:
+    """The prefix ``p`` such that ``p + name`` is a key of DeepSpeed's consolidation for every exported name.
+
+    Lightning saves the LightningModule (a transformers model under ``model.``), Accelerate the model itself.
+    """
+    first = names[0]
+    candidates = {key[: len(key) - len(first)] for key in reference_keys if key.endswith(first)}
+    for prefix in sorted(candidates, key=len):
+        whole_names = prefix == "" or prefix.endswith(".")
+        if whole_names and all(prefix + name in reference_keys for name in names):
+            return prefix
+    raise ConfigError(
+        f"--verify: the exported names (e.g. {first!r}) are not the names in DeepSpeed's consolidation of the "
+        "checkpoint: the export does not match it"
+    )
+
+
+def tensor_difference(exported: torch.Tensor, expected: torch.Tensor) -> float:
+    """Max absolute difference (inf for another shape or unequal non-float tensors)."""
+    if exported.shape != expected.shape:
+        return math.inf
+    if not exported.is_floating_point():
+        return 0.0 if torch.equal(exported, expected) else math.inf
+    if not exported.numel():
+        return 0.0
+    return (exported.double() - expected.double()).abs().max().item()
 
 
 def verify_export(source: str | Path, out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
-    """Reload the export and compare it with the sharded checkpoint.
+    """Compare the export in ``out_dir`` with DeepSpeed's own consolidation of the checkpoint ``source``.
 
-    Every tensor of the index is read back (one at a time) and compared with the checkpoint's, cast to the
-    export's dtype. For a transformers model, ``from_pretrained`` also loads the folder and its logits on a
-    fixed batch are compared with a model built from the config and given the checkpoint's tensors directly
-    (ties included): this checks names, tying and dtype as a user's loading sees them.
+    Every exported tensor is read back (one at a time) and compared with DeepSpeed's tensor of the same name,
+    cast to the export's dtype; every tensor DeepSpeed finds must have been exported (a transformers export may
+    leave out only tied and non-persistent names). For a transformers model, ``from_pretrained`` loads the folder
+    and its logits on a fixed batch are compared with those of the config's model given DeepSpeed's tensors.
+    Nothing here uses the reader or the layout code that wrote the export.
 
     Returns:
-        ``max_abs_param_diff``, ``tensors_checked`` and, for a transformers model, ``max_abs_logit_diff``.
+        ``tensors_checked``, ``max_abs_param_diff``, ``differing`` (names whose values differ), ``missing`` (names
+        DeepSpeed has that the export lacks) and, for a transformers model, ``max_abs_logit_diff``.
     """
     from safetensors import safe_open
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
-    ckpt = open_checkpoint(source)
-    hf = find_hf_model(ckpt.run_dir)
-    names = output_names(ckpt, hf)
+    ckpt = open_checkpoint(source)  # refuses a damaged or unsafe checkpoint before DeepSpeed's reader opens it
     weight_map = json.loads((out_dir / INDEX_NAME).read_text())["weight_map"]
-    if set(weight_map) != set(names):
-        raise ConfigError(f"{out_dir / INDEX_NAME} does not list the checkpoint's tensors")
-    worst = 0.0
-    for name in tqdm(names, desc="verify", unit="tensor", disable=not progress, file=sys.stderr):
+    reference = deepspeed_reference(ckpt.tag_dir)
+    prefix = reference_prefix(sorted(weight_map), set(reference))
+    hf = find_hf_model(ckpt.run_dir)
+    may_lack = set(hf.tied) if hf else set()
+    missing = [
+        key
+        for key in reference
+        if key.startswith(prefix)
+        and key[len(prefix) :] not in weight_map
+        and key[len(prefix) :] not in may_lack
+        and (hf is None or key[len(prefix) :] in hf.state_keys)
+    ]
+    worst, differing = 0.0, []
+    for name in tqdm(sorted(weight_map), desc="verify", unit="tensor", disable=not progress, file=sys.stderr):
         with safe_open(str(out_dir / weight_map[name]), framework="pt") as handle:
             exported = handle.get_tensor(name)
-        expected = ckpt.tensors[names[name]].read().to(exported.dtype)
-        if exported.shape != expected.shape:
-            raise ConfigError(f"{name}: exported shape {tuple(exported.shape)} != checkpoint {tuple(expected.shape)}")
-        if exported.numel():
-            worst = max(worst, (exported.double() - expected.double()).abs().max().item())
-    result: dict[str, Any] = {"tensors_checked": len(names), "max_abs_param_diff": worst}
-    if hf is not None and (logit_diff := _compare_logits(ckpt, names, out_dir)) is not None:
+        expected = reference[prefix + name].contiguous()
+        if expected.is_floating_point():
+            expected = expected.to(exported.dtype)
+        difference = tensor_difference(exported, expected)
+        if difference > 0:
+            differing.append(name)
+        worst = max(worst, difference)
+    result: dict[str, Any] = {
+        "tensors_checked": len(weight_map),
+        "max_abs_param_diff": worst,
+        "differing": differing,
+        "missing": missing,
+    }
+    if hf is not None and (logit_diff := _compare_logits(reference, prefix, out_dir)) is not None:
         result["max_abs_logit_diff"] = logit_diff
     return result
+
+
+def verify_failures(check: dict[str, Any]) -> list[str]:
+    """What makes a verification fail: any differing or missing tensor, any logit difference. Empty when it passes.
+
+    Exact equality is the bar: export and reference cast the same fp32 master weights with the same ``.to()``.
+    """
+    failures = []
+    if check["differing"]:
+        failures.append(
+            f"{len(check['differing'])} tensors differ (e.g. {check['differing'][0]}, "
+            f"max abs difference {check['max_abs_param_diff']:.3g})"
+        )
+    if check["missing"]:
+        failures.append(f"{len(check['missing'])} tensors are missing (e.g. {check['missing'][0]})")
+    if check.get("max_abs_logit_diff", 0.0) != 0.0:
+        failures.append(f"logits differ by up to {check['max_abs_logit_diff']:.3g}")
+    return failures
 
 
 def example_inputs(config: Any) -> dict[str, torch.Tensor] | None:
@@ -629,21 +731,27 @@ def example_inputs(config: Any) -> dict[str, torch.Tensor] | None:
     return None
 
 
-def _compare_logits(ckpt: ZeroCheckpoint, names: dict[str, str], out_dir: Path) -> float | None:
-    """Max |logits| difference: ``from_pretrained(out_dir)`` vs the config's model given the checkpoint's tensors."""
+def _compare_logits(reference: dict[str, Any], prefix: str, out_dir: Path) -> float | None:
+    """Max |logits| difference: ``from_pretrained(out_dir)`` vs the config's model given DeepSpeed's tensors."""
     config, cls = model_class(out_dir)
     inputs = example_inputs(config)
     if inputs is None:
         return None
     loaded = cls.from_pretrained(str(out_dir), local_files_only=True).eval()
     dtype = next(loaded.parameters()).dtype
-    reference = cls(config).to(dtype).eval()
-    state = {name: ckpt.tensors[source].read().to(dtype) for name, source in names.items()}
-    reference.load_state_dict(state, strict=False)
-    reference.tie_weights()
+    # Built as from_pretrained builds it: parameters in ``dtype``, computed buffers (RoPE frequencies) in fp32.
+    model = cls._from_config(config, dtype=dtype).eval()
+    wanted = set(model.state_dict())
+    state = {
+        key[len(prefix) :]: value.contiguous().to(dtype) if value.dtype.is_floating_point else value.contiguous()
+        for key, value in reference.items()
+        if key.startswith(prefix) and key[len(prefix) :] in wanted
+    }
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
     inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     with torch.no_grad():
-        diff = loaded(**inputs).logits.float() - reference(**inputs).logits.float()
+        diff = loaded(**inputs).logits.float() - model(**inputs).logits.float()
     return diff.abs().max().item()
 
 
@@ -663,12 +771,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     )
     if args.verify:
         check = verify_export(args.checkpoint, args.out_dir, progress=not args.quiet)
-        line = f"verify: {check['tensors_checked']} tensors, max abs difference {check['max_abs_param_diff']:.3g}"
+        line = (
+            f"verify against DeepSpeed's zero_to_fp32: {check['tensors_checked']} tensors, "
+            f"max abs difference {check['max_abs_param_diff']:.3g}"
+        )
         if "max_abs_logit_diff" in check:
-            line += (
-                f"; logits of from_pretrained vs the checkpoint: max abs difference {check['max_abs_logit_diff']:.3g}"
-            )
+            logits = check["max_abs_logit_diff"]
+            line += f"; logits of from_pretrained vs DeepSpeed's tensors: max abs difference {logits:.3g}"
         print(line)
+        if failures := verify_failures(check):
+            raise ConfigError(f"--verify failed for {args.out_dir}: {'; '.join(failures)}")
     return 0
 
 
@@ -679,7 +791,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("out_dir", help="output folder (must be empty or absent unless --overwrite)")
     export.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="floating-point dtype written")
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 500MB, 5GB)")
-    export.add_argument("--verify", action="store_true", help="reload the export and compare it with the checkpoint")
+    export.add_argument(
+        "--verify", action="store_true", help="compare the export with DeepSpeed's own consolidation (zero_to_fp32)"
+    )
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir (after success)")
     export.add_argument("--quiet", action="store_true", help="no progress bars")
     export.set_defaults(func=cmd_export)

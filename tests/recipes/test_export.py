@@ -8,7 +8,10 @@ small corpus folder). Checked:
   once, comes back tied and gives the same logits;
 - every exported fp32 tensor equals DeepSpeed's own consolidation (``get_fp32_state_dict_from_zero_checkpoint``),
   for stages 1, 2 and 3;
-- ``--verify`` reports zero differences; ``--max-shard-size`` splits the weights over several files;
+- ``--verify`` compares with DeepSpeed's own consolidation, not with this project's reader: it reports zero
+  differences on a correct export and fails (exit 2, one ``error:`` line) when one exported tensor is changed or
+  when the layout code puts a parameter's elements in another parameter's place;
+- ``--max-shard-size`` splits the weights over several files;
 - each refusal (non-empty OUT_DIR, missing shard, corrupt shard, newer DeepSpeed format, not a checkpoint) is one
   ``error:`` line naming the problem, exit code 2, and nothing deleted or written.
 """
@@ -149,8 +152,9 @@ def test_zero3_export_loads_with_the_logits_of_the_runs_final(backend, runs, tmp
     out = tmp_path / "bf16"
     proc = run([PYTHON, "-m", "common.cli", "export", run_dir, out, "--dtype", "bf16", "--verify"], timeout=300)
     assert "exported ZeRO-3 checkpoint" in proc.stdout and "(Hugging Face folder)" in proc.stdout
-    assert "verify: " in proc.stdout and "max abs difference 0;" in proc.stdout, proc.stdout
-    assert "logits of from_pretrained vs the checkpoint: max abs difference 0" in proc.stdout, proc.stdout
+    assert "verify against DeepSpeed's zero_to_fp32: " in proc.stdout, proc.stdout
+    assert "max abs difference 0;" in proc.stdout, proc.stdout
+    assert "logits of from_pretrained vs DeepSpeed's tensors: max abs difference 0" in proc.stdout, proc.stdout
     assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= {p.name for p in out.iterdir()}
     assert torch.equal(logits(out), logits(run_dir / "final"))
 
@@ -182,6 +186,57 @@ def test_zero1_and_zero2_exports_equal_deepspeeds_consolidation(stage, runs, tmp
     bf16 = tmp_path / "bf16"
     export(run_dir, bf16, "--dtype", "bf16")
     assert torch.equal(logits(bf16), logits(run_dir / "final"))
+
+
+# --- --verify can fail: a wrong export is caught by a reference the export's code did not produce ----------
+
+
+def test_verify_fails_when_one_exported_tensor_is_changed(runs, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from common.export import verify_export, verify_failures
+
+    run_dir = runs["lightning_zero2"]
+    out = tmp_path / "fp32"
+    export(run_dir, out, "--verify")
+    assert verify_failures(verify_export(run_dir, out, progress=False)) == []
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    name = sorted(index)[len(index) // 2]
+    shard = out / index[name]
+    tensors = load_file(str(shard))
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1e-3  # one element of one tensor
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    check = verify_export(run_dir, out, progress=False)
+    assert check["differing"] == [name] and check["max_abs_param_diff"] == pytest.approx(1e-3, rel=1e-2)
+    assert f"1 tensors differ (e.g. {name}" in verify_failures(check)[0]
+
+
+def swap_two_parameters(layout_function):
+    """The ZeRO-3 layout with two equally sized parameters' places exchanged: a bug the export's own reader shares."""
+
+    def swapped(group_shapes, world_size):
+        layout = layout_function(group_shapes, world_size)
+        by_size: dict[int, list[str]] = {}
+        for name, (_, partition) in layout.items():
+            by_size.setdefault(partition, []).append(name)
+        a, b = next(names for names in by_size.values() if len(names) >= 2)[:2]
+        layout[a], layout[b] = layout[b], layout[a]
+        return layout
+
+    return swapped
+
+
+def test_verify_fails_when_the_layout_code_misplaces_a_parameter(runs, tmp_path, capsys, monkeypatch):
+    import common.export
+
+    monkeypatch.setattr(common.export, "zero3_layout", swap_two_parameters(common.export.zero3_layout))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["export", str(runs["accelerate_zero3"]), str(tmp_path / "out"), "--verify", "--quiet"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert "--verify failed" in errors[0] and "2 tensors differ" in errors[0] and "logits differ" in errors[0]
 
 
 # --- refusals: one error line each, nothing deleted or written ------------------------------------

@@ -19,8 +19,11 @@ from common.export import (
     locate,
     parse_size,
     plan_shards,
+    reference_prefix,
     span_pieces,
     strip_prefix,
+    tensor_difference,
+    verify_failures,
     zero3_layout,
     zero12_layout,
 )
@@ -143,3 +146,26 @@ def test_a_pickled_class_outside_the_allow_list_is_refused_by_name(tmp_path):
     path.write_bytes(b"not a torch file")
     with pytest.raises(ConfigError, match="corrupt or unreadable checkpoint shard: .*model_states.pt"):
         load_structure(path)
+
+
+def test_reference_prefix_maps_exported_names_onto_deepspeeds_names():
+    keys = {"model.model.embed.weight", "model.model.norm.weight", "model.lm_head.weight", "other.weight"}
+    assert reference_prefix(["model.embed.weight", "lm_head.weight"], keys) == "model."
+    assert reference_prefix(["other.weight"], keys) == ""
+    with pytest.raises(ConfigError, match="not the names in DeepSpeed's consolidation"):
+        reference_prefix(["model.embed.weight", "head.weight"], keys)
+    with pytest.raises(ConfigError):  # a suffix of a name is not a name: "ther.weight" is not "other.weight"
+        reference_prefix(["ther.weight"], keys)
+
+
+def test_tensor_difference_and_what_fails_a_verification():
+    a = torch.arange(6, dtype=torch.float32).view(2, 3)
+    assert tensor_difference(a, a.clone()) == 0.0
+    assert tensor_difference(a, a + 0.5) == 0.5
+    assert tensor_difference(a, a.view(3, 2)) == math.inf
+    assert tensor_difference(torch.tensor([1, 2]), torch.tensor([1, 3])) == math.inf
+    passed = {"differing": [], "missing": [], "max_abs_param_diff": 0.0, "max_abs_logit_diff": 0.0}
+    assert verify_failures(passed) == []
+    failed = verify_failures({**passed, "differing": ["w"], "max_abs_param_diff": 0.5, "missing": ["b"]})
+    assert failed == ["1 tensors differ (e.g. w, max abs difference 0.5)", "1 tensors are missing (e.g. b)"]
+    assert verify_failures({**passed, "max_abs_logit_diff": 1e-6}) == ["logits differ by up to 1e-06"]
