@@ -15,8 +15,10 @@ Lightning upgrade that moves these places fails a test rather than silently fall
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import warnings
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import lightning
@@ -26,7 +28,15 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from transformers import PreTrainedModel, modeling_utils
+from transformers.integrations import HfDeepSpeedConfig
 
+try:  # the shield transformers puts around RoPE buffers when it enters zero.Init itself
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+except ImportError:  # older transformers: RoPE buffers follow the training dtype, as they did there
+    prevent_arange_dtype_change = contextlib.nullcontext
+
+from common.errors import ConfigError
 from common.resume import param_groups_kept
 
 # The Lightning versions this subclass is tested against (CI runs 2.6.x). The private methods it overrides
@@ -57,14 +67,74 @@ def _warn_once(version: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=4)
 
 
+UNSHARDED_INIT_HINT = (
+    "{name} was built by calling its constructor inside configure_model under ZeRO-3: its weights were "
+    "partitioned as each layer was created, so transformers' weight initialisation wrote into empty shards and "
+    "the model would train from the wrong initial weights. Build it with "
+    "AutoModelFor...from_config(config) or from_pretrained(path) inside configure_model instead"
+)
+
+
+@contextlib.contextmanager
+def _refuse_unsharded_hf_init() -> Iterator[None]:
+    """Refuse a transformers model constructed directly (not via from_config/from_pretrained) under ZeRO-3.
+
+    transformers initialises weights through gathered parameters only on its own ZeRO-3 path, which it
+    marks with ``modeling_utils._is_ds_init_called`` while the model is constructed. ``post_init`` runs at
+    the end of every transformers model's ``__init__``: recording that mark there tells the two paths apart.
+    """
+    built_outside: list[str] = []
+    original_post_init = PreTrainedModel.post_init
+
+    def post_init(model: Any, *args: Any, **kwargs: Any) -> Any:
+        if not modeling_utils._is_ds_init_called:
+            built_outside.append(type(model).__name__)
+        return original_post_init(model, *args, **kwargs)
+
+    PreTrainedModel.post_init = post_init
+    try:
+        yield
+    finally:
+        PreTrainedModel.post_init = original_post_init
+    if built_outside:
+        raise ConfigError(UNSHARDED_INIT_HINT.format(name=built_outside[-1]))
+
+
 class ZeroDeepSpeedStrategy(DeepSpeedStrategy):
-    """``DeepSpeedStrategy`` that also accepts ``Trainer(accelerator="cpu", devices=N)``."""
+    """``DeepSpeedStrategy`` that also accepts ``Trainer(accelerator="cpu", devices=N)``.
+
+    Under ZeRO-3 it also owns model construction, as Accelerate's plugin does: an ``HfDeepSpeedConfig`` is
+    kept alive from ``configure_model`` to the end of the run, so that ``from_config`` / ``from_pretrained``
+    create and initialise every weight already sharded; ``arange``-made buffers stay fp32; and a
+    transformers model built by a direct constructor call (wrong initial weights) is refused.
+    """
 
     strategy_name = "zero_deepspeed"
+    _hf_ds_config: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         warn_if_untested_lightning()
         super().__init__(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        if not self.zero_stage_3:
+            with super().model_sharded_context():
+                yield
+            return
+        self._init_config_if_needed()
+        # transformers holds it through a weak reference: this attribute keeps it alive until teardown.
+        self._hf_ds_config = HfDeepSpeedConfig(self.config)
+        # zero.Init casts every floating tensor a constructor makes to the training dtype, buffers included:
+        # RoPE's inverse frequencies from torch.arange would be rounded to bf16 (a quarter radian off by
+        # position 256). transformers' shield for arange must be entered before Lightning's zero.Init.
+        with prevent_arange_dtype_change(), super().model_sharded_context(), _refuse_unsharded_hf_init():
+            yield
+
+    def teardown(self) -> None:
+        # After the run a rank may load a model on its own (an export check): it must not partition then.
+        self._hf_ds_config = None
+        super().teardown()
 
     @property
     def _on_cpu(self) -> bool:
