@@ -280,35 +280,6 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     return float(6 * n_matmul + attention)
 
 
-def restore_fp32_rope(model: torch.nn.Module) -> int:
-    """Recompute rotary-embedding inverse frequencies in fp32 where construction rounded them to 16 bits.
-
-    DeepSpeed's ``zero.Init`` casts every floating tensor created inside it to the training dtype.
-    transformers shields RoPE's ``torch.arange`` from that only when it enters ``zero.Init`` itself;
-    inside an outer ``zero.Init`` (Lightning's ``configure_model`` under ZeRO-3) ``inv_freq`` ends up
-    in bf16. Positions then rotate by rounded frequencies (a quarter radian off by position 256), the
-    model trains on slightly wrong positions, and its export, whose frequencies are recomputed in
-    fp32 on loading, gives different logits. Call it outside ``zero.Init``.
-
-    Args:
-        model: Any model; rotary modules are found by their ``inv_freq`` buffer and ``config``.
-
-    Returns:
-        The number of rotary modules whose buffers were recomputed.
-    """
-    fixed = 0
-    for module in model.modules():
-        inv_freq = getattr(module, "inv_freq", None)
-        if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype == torch.float32 or not hasattr(module, "config"):
-            continue
-        fresh = type(module)(module.config)
-        for name, buffer in fresh.named_buffers(recurse=False):
-            persistent = name not in module._non_persistent_buffers_set
-            module.register_buffer(name, buffer.to(inv_freq.device), persistent=persistent)
-        fixed += 1
-    return fixed
-
-
 @torch.no_grad()
 def generate_sample(
     model: PreTrainedModel,

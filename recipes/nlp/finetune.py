@@ -73,10 +73,10 @@ from common.checkpoint import (
 from common.errors import ConfigError, exit_on_user_error
 from common.metrics import peak_memory_bytes, throughput
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, write_json_atomic
-from common.strategy import lightning_trainer_kwargs, make_optimizer, zero_stage
+from common.strategy import lightning_trainer_kwargs, make_optimizer
 from nlp.data import DataError
 from nlp.lora import folder_bytes, trainable_parameter_shapes
-from nlp.model import ModelError, restore_fp32_rope
+from nlp.model import ModelError
 from nlp.task import collate_sft, encode_examples, majority_baseline
 
 warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")
@@ -100,9 +100,6 @@ class LoRAFinetune(L.LightningModule):
         if self.model is None:
             run = self.run
             self.model = build_lora_model(self.cfg, run["model_config"], run["attention"], run["module_names"])
-
-    def on_fit_start(self) -> None:
-        restore_fp32_rope(self.model)  # Lightning's zero.Init rounded RoPE's frequencies to bf16 (see train.py)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         run, world_size = self.run, self.trainer.world_size
@@ -249,11 +246,6 @@ def main() -> None:
         raise ConfigError(f"resume=true but {out_dir}/{CHECKPOINTS} holds no complete checkpoint")
     val_encoded = encode_examples(val, tokenizer, cfg.seq_len)
 
-    hf_ds_config = None
-    if zero_stage(ds_config) == 3:  # kept alive until the end: transformers then builds and loads sharded
-        from transformers.integrations import HfDeepSpeedConfig
-
-        hf_ds_config = HfDeepSpeedConfig(ds_config)
     run = {
         "model_config": config,
         "module_names": module_names,
@@ -268,7 +260,6 @@ def main() -> None:
         "base_val_accuracy": base_val_accuracy,
         "majority_baseline": majority_baseline(val),
         "start_step": checkpoint_step(latest) if latest else 0,
-        "hf_ds_config": hf_ds_config,
     }
     module = LoRAFinetune(cfg, run)
     trainer_kwargs = lightning_trainer_kwargs(ds_config)

@@ -63,9 +63,9 @@ from common.errors import exit_on_user_error
 from common.metrics import gpu_peak_flops, mfu, peak_memory_bytes, throughput
 from common.resume import find_resume_point, mark_universal, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, write_json_atomic
-from common.strategy import lightning_trainer_kwargs, make_optimizer, zero_stage
+from common.strategy import lightning_trainer_kwargs, make_optimizer
 from nlp.data import DataError
-from nlp.model import ModelError, flops_per_token, resolve_attention, restore_fp32_rope
+from nlp.model import ModelError, flops_per_token, resolve_attention
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # StepSampler starts a resumed run at the checkpoint's step, so the loader *is* resumable; Lightning cannot tell.
@@ -87,9 +87,9 @@ class CausalLM(L.LightningModule):
         self.facts: dict = {}
 
     def configure_model(self) -> None:
-        # Lightning runs this inside deepspeed.zero.Init under stage 3, and the HfDeepSpeedConfig kept alive in
-        # main() makes from_config / from_pretrained initialise each weight already sharded: no rank ever holds
-        # the whole model.
+        # Lightning runs this inside deepspeed.zero.Init under stage 3, and the strategy keeps an HfDeepSpeedConfig
+        # alive (common/lightning_cpu.py): from_config / from_pretrained initialise each weight already sharded, no
+        # rank ever holds the whole model, and RoPE's frequencies stay fp32.
         if self.model is not None:
             return
         self.model = build_model(self.cfg, self.run["model_config"], self.run["attention"])
@@ -100,10 +100,6 @@ class CausalLM(L.LightningModule):
             f"after construction rank 0 holds {self.facts['param_elements_at_construction']:,} of "
             f"{self.run['plan']['num_params']:,} parameter elements"
         )
-
-    def on_fit_start(self) -> None:
-        # Lightning's zero.Init around configure_model also rounded RoPE's frequencies to bf16: recompute them.
-        restore_fp32_rope(self.model)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return train_loader(
@@ -123,8 +119,7 @@ class CausalLM(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = lm_loss(self.model, batch["input_ids"], batch["labels"])
-        self.losses.append(loss.detach())
-        self.log("loss", loss, prog_bar=True, logger=False)
+        self.losses.append(loss.detach())  # a tensor: reading it (.item(), the progress bar) would wait for the device
         return loss
 
     def on_train_start(self) -> None:
@@ -138,12 +133,15 @@ class CausalLM(L.LightningModule):
             return  # inside a gradient accumulation
         cfg, step = self.cfg, self.trainer.global_step
         self.clock.step_done()
-        loss = all_reduce(torch.stack(self.losses).mean()).item() / self.trainer.world_size
+        step_loss = torch.stack(self.losses).mean()
         self.losses.clear()
         if step == self.run["start_step"] + 1:
             self.facts["model_state_bytes"] = model_state_bytes(self.trainer.strategy.model)
             self.print(measured_text(self.facts["model_state_bytes"]))
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
+            # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
+            loss = all_reduce(step_loss).item() / self.trainer.world_size
+            self.log("loss", loss, prog_bar=True, logger=False)
             tokens_per_s = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / self.clock.median_step()
             self.log_file.log(
                 step,
@@ -260,11 +258,6 @@ def main() -> None:
         if resume:  # before Lightning starts ranks 1..: they find a universal conversion in place
             prepare_resume(resume, config_to_dict(cfg))
 
-    hf_ds_config = None
-    if zero_stage(ds_config) == 3:  # kept alive until the end: transformers then builds and loads sharded
-        from transformers.integrations import HfDeepSpeedConfig
-
-        hf_ds_config = HfDeepSpeedConfig(ds_config)
     run = {
         "model_config": config,
         "attention": attention,
@@ -272,7 +265,6 @@ def main() -> None:
         "data": data,
         "start_step": start_step,
         "clock": clock,
-        "hf_ds_config": hf_ds_config,
     }
     module = CausalLM(cfg, run)
     trainer = L.Trainer(

@@ -69,7 +69,7 @@ from common.resume import (
 from common.rundir import MetricsLog, prepare_run_dir, write_json_atomic
 from common.strategy import accelerator_kwargs, make_optimizer
 from nlp.data import DataError
-from nlp.model import ModelError, flops_per_token, resolve_attention, restore_fp32_rope
+from nlp.model import ModelError, flops_per_token, resolve_attention
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated", category=FutureWarning)
@@ -132,7 +132,6 @@ def main() -> None:
     # A plain LambdaLR stepped once per optimizer step (a prepared scheduler would step once per process).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, optimizer = accelerator.prepare(model, optimizer)
-    restore_fp32_rope(engine.module)  # a no-op here (transformers' own zero.Init keeps RoPE in fp32); see train.py
     accelerator.register_for_checkpointing(scheduler)
 
     if resume:
@@ -174,14 +173,16 @@ def main() -> None:
         scheduler.step()
         step += 1
         clock.step_done()
-        mean_loss = all_reduce(torch.stack(losses).mean()).item() / world_size
+        step_loss = torch.stack(losses).mean()  # a tensor: reading it would wait for the device
         losses.clear()
         bar.update(1)
-        bar.set_postfix(loss=f"{mean_loss:.3f}")
         if step == start_step + 1:
             facts["model_state_bytes"] = model_state_bytes(engine)
             say(measured_text(facts["model_state_bytes"]))
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
+            # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
+            mean_loss = all_reduce(step_loss).item() / world_size
+            bar.set_postfix(loss=f"{mean_loss:.3f}")
             log.log(
                 step,
                 train_loss=mean_loss,
