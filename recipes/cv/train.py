@@ -111,8 +111,7 @@ class ImageClassifier(L.LightningModule):
         micro = self.trainer.global_step * self.cfg.grad_accum + len(self.micro_losses)
         seed_micro_batch(self.cfg, micro, self.global_rank)
         loss = classification_loss(self.model, pixels, labels, self.cfg.label_smoothing)
-        self.micro_losses.append(loss.detach())
-        self.log("loss", loss, prog_bar=True, logger=False)
+        self.micro_losses.append(loss.detach())  # a tensor: reading it (the progress bar) would wait for the device
         return loss
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
@@ -128,6 +127,7 @@ class ImageClassifier(L.LightningModule):
             for offset, loss in enumerate(losses.tolist()):  # one record per optimizer step
                 at = step - len(losses) + 1 + offset
                 self.metrics.log(at, train_loss=loss, lr=step_lr(cfg, at))
+            self.log("loss", loss, prog_bar=True, logger=False)  # a float: the sync above was the only one
             self.step_losses.clear()
         if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()
             result = evaluate(self.model, self.run["data"], cfg, self.global_rank, self.trainer.world_size, self.device)

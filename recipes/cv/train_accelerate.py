@@ -118,12 +118,12 @@ def main() -> None:
         step_losses.append(torch.stack(micro_losses).mean())
         micro_losses.clear()
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-        if step % cfg.log_interval == 0 or step == cfg.max_steps:
+        if step % cfg.log_interval == 0 or step == cfg.max_steps:  # the only host sync of the loop's losses
             losses = all_reduce(torch.stack(step_losses)) / world_size
             for offset, value in enumerate(losses.tolist()):  # one record per optimizer step
                 at = step - len(losses) + 1 + offset
                 metrics.log(at, train_loss=value, lr=step_lr(cfg, at))
+            bar.set_postfix(loss=f"{value:.4f}")
             step_losses.clear()
         if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()
             result = evaluate(net, data, cfg, rank, world_size, device)
