@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common.accounting import model_state_bytes
+from common.accounting import _walk_tensors, model_state_bytes
 from common.memory import count_module
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
 from nlp.model import build_llama_config, build_model_from_config
@@ -47,20 +47,26 @@ def make_model(shape: str) -> torch.nn.Module:
     return build_model_from_config(build_llama_config("tiny", seq_len=SEQ, **SHAPES[shape]), "sdpa")
 
 
-def gathered_bytes(module: torch.nn.Module) -> int:
-    """Stage 3: bytes of full parameters gathered right now (not the persistent ones, which accounting counts)."""
+def gathered_bytes(engine) -> int:
+    """Stage 3: bytes of full parameters gathered right now and not already counted by accounting.
+
+    Persistent parameters are model states; gathered ones are often views of a flat all-gather buffer the
+    ZeRO optimizer holds, which model_state_bytes counts among its buffers already.
+    """
+    held = {t.untyped_storage().data_ptr() for t in _walk_tensors(engine.optimizer, depth=4, seen=set())}
     storages = {}
-    for param in module.parameters():
+    for param in engine.module.parameters():
         if hasattr(param, "ds_tensor") and not getattr(param, "ds_persist", False) and param.data.numel() > 0:
             storage = param.data.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in held:
+                storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 
 def resident_now(engine) -> dict:
     """What the rank holds at this moment: model states, ZeRO buffers, and (stage 3) gathered parameters."""
     held = model_state_bytes(engine)
-    held["gathered"] = gathered_bytes(engine.module)
+    held["gathered"] = gathered_bytes(engine)
     held["resident_buffers"] = held["buffers"] + held["gathered"]
     held["resident"] = held["total"] + held["gathered"]
     return held

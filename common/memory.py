@@ -26,9 +26,9 @@ second and a test can check each term. Per rank, for K parameters on N data-para
   peak is the larger of the end of the forward pass and the first recomputation in the backward pass.
 - **buffers**: an upper bound. DeepSpeed documents ``overlap_comm`` as costing about 4.5 x (reduce +
   all-gather bucket) elements; without it one bucket of each. Under stage 3 the reduce bucket is
-  preallocated (``reduce_bucket_size`` elements in the training dtype, measured here: DESIGN.md) and the
-  prefetch bucket (or the largest layer) is gathered. bench/memory.py measures what is resident at the
-  peak of the backward pass and publishes the ratio.
+  preallocated (``reduce_bucket_size`` elements in the training dtype, measured here: DESIGN.md) and
+  DeepSpeed keeps gathered parameters whole up to ``stage3_max_live_parameters``. bench/memory.py
+  measures what is resident at the peak of the backward pass and publishes the ratio.
 - **host RAM** per node for offload: the offloaded per-rank bytes times the ranks on a node.
 
 A row *fits* when model states + activations + buffers stay within 90 % of the device memory (10 %
@@ -58,6 +58,9 @@ GIB = 2**30
 
 # Share of device memory a plan may use; the rest is fragmentation and the runtime's context.
 USABLE_FRACTION = 0.9
+
+# DeepSpeed's default for stage3_max_live_parameters: gathered parameters kept whole while reused.
+DS_MAX_LIVE_PARAMETERS = 1e9
 
 # DeepSpeed's default for the estimators' "additional_buffer_factor".
 DS_ADDITIONAL_BUFFER_FACTOR = 1.5
@@ -629,21 +632,29 @@ def transformer_activations(
 
 
 def buffer_bytes(
-    stage: int, zero: dict[str, Any], precision: str, largest_layer_params: int | None, bucket: int
+    stage: int,
+    zero: dict[str, Any],
+    precision: str,
+    largest_layer_params: int | None,
+    bucket: int,
+    sharded_params: int = 0,
 ) -> float:
     """Communication buffers per rank for a preset's ``zero_optimization`` dict.
 
     Stages 0-2: DeepSpeed documents ``overlap_comm`` as using 4.5 x the reduce and all-gather bucket
-    sizes; without it one bucket of each. Stage 3: the reduce bucket is preallocated
-    (``reduce_bucket_size`` elements, measured here) plus the gathered parameters in flight, the
-    prefetch bucket or the largest layer, whichever is larger.
+    sizes; without it one bucket of each (an upper bound: bench/memory.py measures 1.2-3.4x what is
+    resident). Stage 3: the reduce bucket (``reduce_bucket_size`` elements, preallocated) plus the
+    gathered parameters: DeepSpeed keeps gathered parameters that it will reuse until
+    ``stage3_max_live_parameters`` (default 1e9) are live, so at the backward peak up to that many of the
+    ``sharded_params`` are whole (measured: bench/memory.py), at least the prefetch bucket or largest layer.
     """
     p = WORKING_BYTES[precision]
     reduce = float(zero.get("reduce_bucket_size", bucket))
     if stage == 3:
         prefetch = zero.get("stage3_prefetch_bucket_size", int(0.9 * bucket))
         prefetch = float(int(0.9 * bucket) if not isinstance(prefetch, int | float) else prefetch)
-        return p * (reduce + max(prefetch, float(largest_layer_params or 0)))
+        live = min(float(sharded_params), float(zero.get("stage3_max_live_parameters", DS_MAX_LIVE_PARAMETERS)))
+        return p * (reduce + max(live, prefetch, float(largest_layer_params or 0)))
     allgather = 0.0 if stage == 0 else float(zero.get("allgather_bucket_size", bucket))
     factor = 4.5 if zero.get("overlap_comm") else 1.0
     return p * factor * (reduce + allgather)
@@ -697,7 +708,8 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
             ds_gpu, ds_cpu = deepspeed_estimate(
                 facts.num_params, largest, stage, offload, inputs.gpus_per_node, inputs.nodes
             )
-        buffers = buffer_bytes(stage, zero, inputs.precision, largest, bucket)
+        sharded = facts.num_params - persistent_params(facts, threshold)
+        buffers = buffer_bytes(stage, zero, inputs.precision, largest, bucket, sharded)
         host_node = host * inputs.gpus_per_node
         host_ok = inputs.host_memory_bytes is None or host_node <= inputs.host_memory_bytes
         total = None if act_none is None else device + buffers + act_none
@@ -877,7 +889,7 @@ def format_plan(result: Plan) -> str:
         "  states_mem_needs (18 B/param sharded + largest layer; none for stages 0-1). activations: bytes saved for",
         "  backward at their peak, counted per op for this attention (eager adds the a*s*s softmax; sdpa/flash keep",
         "  a log-sum-exp); checked against autograd (bench/activations.py). buffers <=: an upper bound: overlap_comm",
-        "  ~4.5 x buckets; stage 3 reduce bucket preallocated + prefetch (measured resident: bench/memory.py).",
+        "  ~4.5 x buckets; stage 3 reduce bucket + parameters kept gathered (<= stage3_max_live_parameters).",
         "",
     ]
     recommended = (
