@@ -210,9 +210,12 @@ in `param.grad`, optimizer states, the ZeRO optimizer's own tensors (flat groups
 partitions) and, under stage 3, the parameters gathered at that moment. "Beyond the guide's states" takes
 away the parameters, the optimizer states and one gradient of the guide's size (2K below stage 2, 2K/N from
 stage 2) wherever DeepSpeed keeps it: the rest is what the buffer column stands for. The planner's buffer column is what
-DeepSpeed documents for its buckets (4.5 x (reduce + all-gather bucket) with `overlap_comm`; stage 3: the
-preallocated reduce bucket + the prefetch bucket or largest layer): the most the buckets may take, not what a
-model smaller than a bucket fills, so `estimate` prints it as an upper bound and this table gives the ratio."""
+DeepSpeed documents for its buckets for stages 0-2 (4.5 x (reduce + all-gather bucket) with `overlap_comm`):
+the most the buckets may take, not what a model smaller than a bucket fills, so `estimate` prints it as an
+upper bound and this table gives the ratio. Stage 3: the reduce bucket (the gradients in `param.grad` waiting
+for it) + the gathered parameters, which DeepSpeed keeps whole while it will reuse them, up to
+`stage3_max_live_parameters` (1e9): here the whole sharded model, in one flat buffer. On one rank a
+partition is the whole parameter and nothing is gathered on top."""
 
 
 def measure(world_sizes: list[int]) -> list[dict]:
