@@ -75,6 +75,6 @@ def test_gpu_script_cpu_mode_runs_offload_and_checkpointing_variants(tmp_path):
     assert "<!-- cpu-mode:start -->" in text and "CPU mode" in text
     assert "| stage3_offload | 3 | sdpa | selective |" in text and "| ac_full | 0 | sdpa | full |" in text
     # --render rebuilds the same section from the results file alone, measuring nothing
-    rendered = tmp_path / "rendered.md"
+    rendered = tmp_path / "again" / "benchmarks_gpu.md"  # same name: write_section titles a new page by its name
     run([PYTHON, "bench/gpu.py", "--cpu", "--render", "--json", results, "--doc", rendered], timeout=60)
     assert rendered.read_text() == text
