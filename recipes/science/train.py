@@ -99,7 +99,6 @@ class BurgersFNO(L.LightningModule):
         loss = relative_l2(self(self.data["x_train"][idx]), self.data["y_train"][idx])
         self.losses.append(loss.detach())
         self.step_lr = self.trainer.optimizers[0].param_groups[0]["lr"]  # the lr this step's update uses
-        self.log("rel_l2", loss, prog_bar=True)
         return loss
 
     def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -113,8 +112,10 @@ class BurgersFNO(L.LightningModule):
         self.clock.step_done()
         cfg = self.cfg
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
-            loss = self.trainer.strategy.reduce(torch.stack(self.losses).mean(), reduce_op="mean")
-            self.metrics.log(step, train_rel_l2=loss.item(), lr=self.step_lr)
+            # Only on logging steps: the reduce and .item() are a collective and a host sync.
+            loss = self.trainer.strategy.reduce(torch.stack(self.losses).mean(), reduce_op="mean").item()
+            self.metrics.log(step, train_rel_l2=loss, lr=self.step_lr)
+            self.log("rel_l2", loss, prog_bar=True)
             self.losses.clear()
         if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in on_train_end
             error = evaluate(

@@ -120,10 +120,10 @@ def main(argv: list[str] | None = None) -> None:
         step += 1
         clock.step_done()
         bar.update(1)
-        bar.set_postfix(rel_l2=f"{loss.item():.4f}")
-        if step % cfg.log_interval == 0 or step == cfg.max_steps:
-            mean_loss = accelerator.reduce(torch.stack(losses).mean(), reduction="mean")
-            metrics.log(step, train_rel_l2=mean_loss.item(), lr=step_lr)
+        if step % cfg.log_interval == 0 or step == cfg.max_steps:  # the only host sync of the loop's losses
+            mean_loss = accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item()
+            metrics.log(step, train_rel_l2=mean_loss, lr=step_lr)
+            bar.set_postfix(rel_l2=f"{mean_loss:.4f}")
             losses.clear()
         if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()
             error = evaluate(model, data["x_test"], data["y_test"], rank, world_size, _reduce_sum(accelerator))
