@@ -129,11 +129,13 @@ class LoRAFinetune(L.LightningModule):
             return  # inside a gradient accumulation
         cfg, step = self.cfg, self.trainer.global_step
         self.clock.step_done()
-        loss = all_reduce(torch.stack(self.losses).mean()).item() / self.trainer.world_size
+        step_loss = torch.stack(self.losses).mean()  # a tensor: reading it would wait for the device
         self.losses.clear()
         if step == self.run["start_step"] + 1:
             self.facts["model_state_bytes"] = model_state_bytes(self.trainer.strategy.model)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
+            # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
+            loss = all_reduce(step_loss).item() / self.trainer.world_size
             self.log_file.log(step, train_loss=loss, lr=cfg.lr * lr_lambda(cfg)(step - 1), elapsed_s=self.clock.wall())
             self.print(f"step {step}: train_loss {loss:.4f} ({self.clock.wall():.0f} s)")
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:

@@ -164,13 +164,15 @@ def main() -> None:
         scheduler.step()
         step += 1
         clock.step_done()
-        mean_loss = all_reduce(torch.stack(losses).mean()).item() / world_size
+        step_loss = torch.stack(losses).mean()  # a tensor: reading it would wait for the device
         losses.clear()
         bar.update(1)
-        bar.set_postfix(loss=f"{mean_loss:.3f}")
         if step == start_step + 1:
             facts["model_state_bytes"] = model_state_bytes(engine)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
+            # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
+            mean_loss = all_reduce(step_loss).item() / world_size
+            bar.set_postfix(loss=f"{mean_loss:.3f}")
             log.log(step, train_loss=mean_loss, lr=cfg.lr * lr_lambda(cfg)(step - 1), elapsed_s=clock.wall())
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
             run_eval(step)
