@@ -194,11 +194,11 @@ def buffer_summary(cells: list[dict]) -> str:
     )
 
 
-STATES_TEXT = """Planner: `zero-recipes estimate --model-config config.json --gpus N` for the model's own config
-(common.memory.plan, the row of the stage's preset), and the same function, `guide_model_states`, with
-gradients released, which is the state after `step()`: 2K params + 12K optimizer (stage 0), 2K + 12K/N
-(stages 1 and 2), 2K/N + 2K_p + 12K/N (stage 3). K_p are the parameters at or under the persistence
-threshold (10 x hidden, DeepSpeed's rule `numel <= threshold`: the RMSNorm weights): DeepSpeed keeps each
+STATES_TEXT = """Planner: `zero-recipes estimate --model-config config.json --gpus 4` (and 1, 2: the ranks
+column) for the model's own config (common.memory.plan, the row of the stage's preset), and the same function,
+`guide_model_states`, with gradients released, which is the state after `step()`: 2K params + 12K optimizer
+(stage 0), 2K + 12K/N (stages 1 and 2), 2K/N + 2K_p + 12K/N (stage 3). K_p are the parameters at or under the
+persistence threshold (10 x hidden, DeepSpeed's rule `numel <= threshold`: the RMSNorm weights): DeepSpeed keeps each
 whole on every rank *as well as* its partition, so they cost 2 B x K_p on top of 16K/N, which the planner
 now adds (the `persistent params` column: DeepSpeed's count, then the planner's). The planner's printed
 "guide states" column counts gradients alive (2K below stage 2, 2K/N from stage 2), the peak of the

@@ -258,7 +258,8 @@ def render_profile(prof: dict) -> str:
     backends = prof["backends"]
     timed = prof["steps"] - prof["after"]
     raw_areas = backends["raw"]["areas"]
-    names = sorted({a for b in backends.values() for a in b["areas"]}, key=lambda a: -raw_areas.get(a, 0.0))
+    # Ties broken by name: a set's order changes from one process to the next (hash randomisation).
+    names = sorted({a for b in backends.values() for a in b["areas"]}, key=lambda a: (-raw_areas.get(a, 0.0), a))
     lines = [
         f"cProfile on rank 0, {prof['preset']}, {timed} steps after {prof['after']}, timed by the training thread's "
         "CPU time: own CPU ms per step by the package whose code ran it (profiling slows every call; compare "
