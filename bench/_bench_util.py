@@ -26,12 +26,16 @@ PROVENANCE_PACKAGES = ("torch", "deepspeed", "lightning", "accelerate", "transfo
 
 
 def git_commit() -> str:
-    """HEAD's hash, with "-dirty" when tracked files differ from it (the figures then came from uncommitted code)."""
+    """HEAD's hash, with "-dirty" when tracked code differs from it (the figures then came from uncommitted code)."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=REPO, capture_output=True).returncode
+        # What the benches write themselves (results, docs, plots) does not make the measured code dirty.
+        outputs = [":(exclude)bench/results", ":(exclude)docs"]
+        dirty = subprocess.run(
+            ["git", "diff", "--quiet", "HEAD", "--", ".", *outputs], cwd=REPO, capture_output=True
+        ).returncode
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return head + ("-dirty" if dirty else "")
