@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from common.accounting import _walk_tensors, model_state_bytes
-from common.memory import count_module
+from common.memory_formulas import count_module
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
 from nlp.model import build_llama_config, build_model_from_config
 

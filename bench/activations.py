@@ -7,7 +7,7 @@ The NLP recipe's model (nlp/model.py: a transformers Llama built from a config, 
 holds them) trains one step in one process per case. Measured: the most bytes autograd holds for the
 backward pass at once (common.activation.SavedBytesCounter: ``torch.autograd.graph.saved_tensors_hooks``
 over the forward and backward pass, checkpoint recomputation included, each storage once, parameters
-excluded). Planned: ``common.memory.transformer_activations`` with the facts ``zero-recipes estimate
+excluded). Planned: ``common.memory_formulas.transformer_activations`` with the facts ``zero-recipes estimate
 --model-config`` reads, which is the "activations" / "act. PRESET" column. Beside it, Korthikanti et al.'s
 ``s*b*h*(34 + 5*a*s/h)`` per layer + float32 logits, the column's formula before issue 14. Goal: the
 planner within 10 % of the measurement in every case. Writes bench/results/activations.json (through
@@ -29,7 +29,7 @@ from _bench_util import DOC, load_document, publish_sections, table_head, write_
 
 from common.activation import AC_PRESETS, apply_activation_checkpointing, saved_activation_bytes  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
-from common.memory import facts_from_model_config, transformer_activations  # noqa: E402
+from common.memory_formulas import facts_from_model_config, transformer_activations  # noqa: E402
 from nlp.model import build_llama_config, build_model_from_config  # noqa: E402
 
 GOAL = 0.10
@@ -126,7 +126,7 @@ EXPLANATION = """Measured: the most bytes autograd held for the backward pass at
 (`torch.autograd.graph.saved_tensors_hooks` over the forward and backward pass: a checkpointed block's
 recomputation counts; each storage once; parameters excluded), bf16 weights as DeepSpeed holds them, one
 process. Planned: `zero-recipes estimate`'s activation column for the same model config, sequence, micro
-batch, attention and checkpointing preset (common/memory.py, `transformer_activations`). SDPA saves q, k, v,
+batch, attention and checkpointing preset (common/tools/memory.py, `transformer_activations`). SDPA saves q, k, v,
 the output and a float32 log-sum-exp per head and token; eager saves the a x s x s softmax in float32 and its
 bf16 copy, 6 bytes a score, which is what Korthikanti's 5as/h term stands for. Llama's RMSNorm computes in
 float32 and its MLP is gated, so even without the score term a Llama layer saves more than the paper's 34

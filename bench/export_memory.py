@@ -134,7 +134,7 @@ def measure_converters(checkpoint: Path, work: Path) -> list[dict]:
         ours_dir, theirs_dir = work / f"ours-{max_shard}", work / f"deepspeed-{max_shard}"
         for folder in (ours_dir, theirs_dir):
             shutil.rmtree(folder, ignore_errors=True)
-        export_cmd = [sys.executable, "-m", "common.cli", "export", str(checkpoint), str(ours_dir)]
+        export_cmd = [sys.executable, "-m", "common.tools.cli", "export", str(checkpoint), str(ours_dir)]
         ours = peak_rss([*export_cmd, "--max-shard-size", max_shard, "--quiet"])
         theirs = peak_rss([sys.executable, "-c", DEEPSPEED_CONVERT, str(checkpoint), str(theirs_dir), max_shard])
         rows.append(

@@ -6,7 +6,7 @@
 Stages 0-3 (presets ddp, deepspeed_stage_1/2/3, bf16), 1, 2 and 4 CPU processes (gloo), two Llama shapes
 (bench/_memory_worker.py). The planner is asked exactly what a user asks it: the model's ``config.json`` as
 ``--model-config``, ``--gpus N``, bf16, the worker's sequence length and micro batch, and its own functions
-answer (common.memory.plan and guide_model_states). Measured, on the worst rank (common.accounting counts
+answer (common.tools.memory.plan and guide_model_states). Measured, on the worst rank (common.accounting counts
 every live tensor storage once): model states after one optimizer step, and what is resident at the peak of
 the backward pass (a snapshot after every parameter's gradient: gradients alive, buckets in use, stage-3
 parameters gathered).
@@ -32,7 +32,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repositor
 from _bench_util import DOC, REPO, launch_group, load_document, publish_sections, table_head, write_results  # noqa: E402
 
 from common.errors import exit_on_user_error  # noqa: E402
-from common.memory import PlanInputs, facts_from_hf_config, plan  # noqa: E402
+from common.memory_formulas import facts_from_hf_config  # noqa: E402
+from common.tools.memory import PlanInputs, plan  # noqa: E402
 
 GOAL = 0.05
 RESULTS = HERE / "results" / "memory.json"
@@ -195,7 +196,7 @@ def buffer_summary(cells: list[dict]) -> str:
 
 
 STATES_TEXT = """Planner: `zero-recipes estimate --model-config config.json --gpus 4` (and 1, 2: the ranks
-column) for the model's own config (common.memory.plan, the row of the stage's preset), and the same function,
+column) for the model's own config (common.tools.memory.plan, the row of the stage's preset), and the same function,
 `guide_model_states`, with gradients released, which is the state after `step()`: 2K params + 12K optimizer
 (stage 0), 2K + 12K/N (stages 1 and 2), 2K/N + 2K_p + 12K/N (stage 3). K_p are the parameters at or under the
 persistence threshold (10 x hidden, DeepSpeed's rule `numel <= threshold`: the RMSNorm weights): DeepSpeed keeps each

@@ -12,11 +12,13 @@ naming the key and the expected type. YAML is read with ``yaml.safe_load`` only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -231,16 +233,37 @@ def recipe_arg_parser(default_config: str | Path) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=main_doc.split("\n")[0])
     parser.add_argument("--config", default=str(default_config), help="YAML config (default: %(default)s)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument(
+        "--describe",
+        action="store_true",
+        help="print one JSON object (resolved config, world size, DeepSpeed config, model facts) and exit",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser
 
 
-def parse_recipe_args(cls: type[T], default_config: str | Path, argv: list[str] | None = None) -> T:
-    """A recipe's command line: ``--config FILE`` (default ``default_config``), ``key=value`` overrides, and
-    ``--print-config`` (print the resolved config and exit)."""
+def parse_recipe_args(
+    cls: type[T],
+    default_config: str | Path,
+    argv: list[str] | None = None,
+    describe: Callable[[T], Any] | None = None,
+) -> T:
+    """A recipe's command line: ``--config FILE`` (default ``default_config``), ``key=value`` overrides,
+    ``--print-config`` (print the resolved config and exit) and ``--describe`` (print
+    ``describe(cfg).to_json()`` as one JSON object on stdout and exit; :mod:`common.describe`).
+
+    While ``describe`` runs, anything it prints goes to stderr, so stdout holds the JSON alone.
+    """
     args = recipe_arg_parser(default_config).parse_args(argv)
     loaded = load_config(cls, args.config, args.overrides)
     if args.print_config:
         print(dump_yaml(config_to_dict(loaded)), end="")
+        sys.exit(0)
+    if args.describe:
+        if describe is None:
+            raise ConfigError(f"{Path(sys.argv[0]).name} has no --describe")
+        with contextlib.redirect_stdout(sys.stderr):
+            description = describe(loaded).to_json()
+        print(json.dumps(description))
         sys.exit(0)
     return loaded

@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
-import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from common.errors import ConfigError
@@ -115,9 +112,10 @@ class LintView:
         host_ram_bytes: host RAM available for pinned offload buffers (None: not checked).
         device_memory_bytes: memory of one device (activation check; None: not checked).
         local_memory: ``(bytes, label)``: what one rank has on this machine (the first GPU's memory, or on a CPU
-            the host RAM shared by its ranks; :func:`common.memory.local_device_memory`), for the stage-3 bucket
+            the host RAM shared by its ranks; :func:`common.memory_formulas.local_device_memory`), for the
+            stage-3 bucket
             check when ``device_memory_bytes`` is not given; None: not checked.
-        model: :class:`common.memory.ModelFacts` for the activation estimate, or None.
+        model: :class:`common.memory_formulas.ModelFacts` for the activation estimate, or None.
         accelerate_config: the accelerate YAML, for accelerate sources.
         path: the file linted, for messages.
     """
@@ -515,7 +513,7 @@ def rule_stage3_full_checkpointing(view: LintView) -> list[Finding]:
 def _offload_host_bytes(view: LintView) -> float | None:
     if not view.num_params:
         return None
-    from common.memory import ModelFacts, guide_model_states
+    from common.memory_formulas import ModelFacts, guide_model_states
 
     offload = "params" if view.offload_device("offload_param") == "cpu" else "optimizer"
     precision = view.precision if view.precision in ("bf16", "fp16", "fp32") else "bf16"
@@ -623,7 +621,7 @@ def rule_stage3_needs_checkpointing(view: LintView) -> list[Finding]:
         return []
     if view.recipe("activation_checkpointing", "none") != "none":
         return []
-    from common.memory import USABLE_FRACTION, transformer_activations
+    from common.memory_formulas import USABLE_FRACTION, transformer_activations
 
     seq_len = int(view.recipe("seq_len") or 0)
     batch = int(view.recipe("micro_batch_size") or (view.ds_config or {}).get("train_micro_batch_size_per_gpu") or 1)
@@ -913,8 +911,8 @@ def _available_host_ram() -> float | None:
 
 
 def _local_memory(ranks_per_node: int) -> tuple[float, str] | None:
-    """What one rank has on this machine (:func:`common.memory.local_device_memory`); None when unknown."""
-    from common.memory import local_device_memory
+    """What one rank has on this machine (:func:`common.memory_formulas.local_device_memory`); None when unknown."""
+    from common.memory_formulas import local_device_memory
 
     try:
         return local_device_memory(ranks_per_node)
@@ -994,287 +992,6 @@ def print_findings(findings: list[Finding], file: TextIO | None = None, prefix: 
     out.flush()
 
 
-# --- reading files ------------------------------------------------------------------------------------
-
-
-def _guess_recipe(path: Path, data: dict[str, Any]) -> str | None:
-    from common.probe import RECIPES_DIR, load_recipe_module, recipe_config_class, recipe_names
-
-    try:
-        relative = path.resolve().relative_to(RECIPES_DIR.resolve())
-        folder = RECIPES_DIR / relative.parts[0]
-        if (folder / "recipe_config.py").is_file():
-            # A second entry point in the folder (finetune_config.py) owns the configs named after it.
-            for entry in sorted(p.name.removesuffix("_config.py") for p in folder.glob("*_config.py")):
-                if entry != "recipe" and path.name.startswith(entry):
-                    return f"{relative.parts[0]}:{entry}"
-            return relative.parts[0]
-    except ValueError:
-        pass
-    for name in recipe_names():
-        try:
-            fields = {f.name for f in dataclasses.fields(recipe_config_class(load_recipe_module(name)))}
-        except ConfigError:
-            continue
-        if set(data) <= fields and "preset" in data:
-            return name
-    return None
-
-
-def _invalid(message: str) -> Finding:
-    return Finding(
-        "config-invalid", "error", message, "fix the value the message names (zero-recipes ls lists presets)"
-    )
-
-
-def _recipe_view(
-    path: Path, data: dict[str, Any], recipe: str | None, hidden: int | None, params: int | None, model: Any
-) -> tuple[LintView, list[Finding]]:
-    from common.config import config_to_dict
-    from common.probe import load_recipe_config, recipe_ds_config, recipe_model_facts, recipe_world
-
-    findings: list[Finding] = []
-    name = recipe or _guess_recipe(path, data)
-    view = LintView(
-        ds_config=None,
-        recipe_config=dict(data),
-        source_kind="recipe",
-        path=str(path),
-        hidden_size=hidden,
-        num_params=params,
-        model=model,
-    )
-    if name is None:  # a recipe-shaped YAML of no known recipe: resolve its preset with the factory
-        from common.config import parse_overrides
-        from common.strategy import RunFacts, resolve_deepspeed_config
-
-        try:
-            facts = RunFacts(
-                world_size=max(1, int(data.get("devices") or 1)) * int(data.get("num_nodes") or 1),
-                micro_batch_size=int(data.get("micro_batch_size", 1)),
-                grad_accum=int(data.get("grad_accum", 1)),
-                precision=data.get("precision"),
-                hidden_size=hidden,
-            )
-            view.ds_config = resolve_deepspeed_config(
-                data.get("preset", "deepspeed_stage_2"), facts, parse_overrides(data.get("ds_overrides") or [])
-            )
-            view.world_size = facts.world_size
-        except (ConfigError, ValueError, TypeError) as exc:
-            findings.append(_invalid(f"{path}: {exc}"))
-        return view, findings
-    try:
-        module, cfg = load_recipe_config(name, path)
-    except ConfigError as exc:
-        findings.append(_invalid(str(exc)))
-        return view, findings
-    view.recipe_config = config_to_dict(cfg)
-    gpus, nodes = recipe_world(cfg)
-    view.world_size, view.ranks_per_node = gpus * nodes, gpus
-    if view.model is None:
-        try:
-            view.model = recipe_model_facts(module, cfg)
-        except Exception as exc:  # a model that cannot be built on meta: lint the rest
-            findings.append(
-                Finding("model-facts", "info", f"model size not known ({exc})", "pass --params / --hidden-size")
-            )
-    if view.model is not None:
-        view.hidden_size = view.hidden_size or view.model.hidden_size
-        view.num_params = view.num_params or view.model.num_params
-    token = _LINTING_A_FILE.set(True)
-    try:
-        view.ds_config = recipe_ds_config(module, cfg, view.world_size, view.hidden_size)
-    except ConfigError as exc:
-        findings.append(_invalid(str(exc)))
-    finally:
-        _LINTING_A_FILE.reset(token)
-    return view, findings
-
-
-def _accelerate_view(path: Path, data: dict[str, Any]) -> tuple[LintView, list[Finding]]:
-    from common.probe import REPO_ROOT
-
-    findings: list[Finding] = []
-    dsc = data.get("deepspeed_config") or {}
-    processes = int(data.get("num_processes") or 1)
-    machines = int(data.get("num_machines") or 1)
-    view = LintView(
-        ds_config=None,
-        source_kind="accelerate",
-        backend="accelerate",
-        accelerate_config=data,
-        path=str(path),
-        world_size=processes,
-        ranks_per_node=max(1, processes // machines),
-    )
-    if data.get("distributed_type") not in (None, "DEEPSPEED"):
-        return view, findings
-    file = dsc.get("deepspeed_config_file")
-    if file:
-        candidates = (
-            [Path(file)] if Path(file).is_absolute() else [Path.cwd() / file, path.parent / file, REPO_ROOT / file]
-        )
-        found = next((c for c in candidates if c.is_file()), None)
-        if found is None:
-            findings.append(
-                Finding(
-                    "config-not-found",
-                    "info",
-                    f"deepspeed_config_file {file!r} is not found from here, so its DeepSpeed settings are not "
-                    "checked (accelerate launch resolves it relative to the directory it is started from)",
-                    f"lint the JSON itself (zero-recipes lint {file}), or run the linter from the launch directory",
-                )
-            )
-            return view, findings
-        try:
-            view.ds_config = json.loads(found.read_text())
-        except json.JSONDecodeError as exc:
-            findings.append(_invalid(f"{found}: not valid JSON ({exc.msg}, line {exc.lineno})"))
-        return view, findings
-    zero: dict[str, Any] = {"stage": dsc.get("zero_stage", 0)}
-    for section, key in (("offload_optimizer", "offload_optimizer_device"), ("offload_param", "offload_param_device")):
-        if dsc.get(key) not in (None, "none"):
-            zero[section] = {"device": dsc[key], "nvme_path": dsc.get(f"{key.split('_device')[0]}_nvme_path")}
-    mixed = str(data.get("mixed_precision", "no"))
-    view.ds_config = {
-        "zero_optimization": zero,
-        "bf16": {"enabled": mixed == "bf16"},
-        "fp16": {"enabled": mixed == "fp16"},
-    }
-    for key in ("gradient_accumulation_steps", "gradient_clipping"):
-        if key in dsc:
-            view.ds_config[key] = dsc[key]
-    return view, findings
-
-
-def lint_file(
-    path: str | Path,
-    *,
-    recipe: str | None = None,
-    backend: str | None = None,
-    hidden_size: int | None = None,
-    num_params: int | None = None,
-    model: Any = None,
-    versions: dict[str, str] | None = None,
-    device_memory_bytes: float | None = None,
-) -> list[Finding]:
-    """Lint a recipe YAML, a DeepSpeed JSON or an accelerate YAML.
-
-    Args:
-        path: the file.
-        recipe: the recipe a YAML belongs to (default: from its folder, or the recipe whose keys it uses).
-        backend: who will consume a DeepSpeed JSON (``lightning``, ``accelerate``, ``hf_trainer``).
-        hidden_size: the model's hidden size, when the file does not say.
-        num_params: the model's parameter count, when the file does not say.
-        model: :class:`common.memory.ModelFacts` (from ``--model-config``).
-        versions: installed versions (default: :func:`installed_versions`).
-        device_memory_bytes: memory of one target device for the activation check (default: the local GPU's;
-            without a GPU the check is skipped, since a config meant for GPUs says nothing about a laptop's RAM).
-    """
-    from common.config import read_yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    if model is not None:
-        hidden_size = hidden_size or model.hidden_size
-        num_params = num_params or model.num_params
-    findings: list[Finding] = []
-    if path.suffix == ".json":
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            return [_invalid(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})")]
-        if not isinstance(data, dict):
-            return [_invalid(f"{path}: expected a JSON object")]
-        view = LintView(
-            ds_config=data,
-            source_kind="deepspeed",
-            backend=backend,
-            path=str(path),
-            world_size=_world_from_ds(data),
-            ranks_per_node=_world_from_ds(data),
-        )
-    else:
-        data = read_yaml(path)
-        if "distributed_type" in data or "compute_environment" in data:
-            view, findings = _accelerate_view(path, data)
-        else:
-            view, findings = _recipe_view(path, data, recipe, hidden_size, num_params, model)
-            view.backend = backend
-    view.hidden_size = view.hidden_size or hidden_size
-    view.num_params = view.num_params or num_params
-    view.model = view.model or model
-    view.versions = installed_versions() if versions is None else versions
-    view.host_ram_bytes = _available_host_ram()
-    view.device_memory_bytes = device_memory_bytes
-    # A file may be meant for another machine: without --gpu-memory, a bucket is checked against this machine's
-    # whole device (or whole host RAM on a CPU), the bound that no rank of it can exceed.
-    view.local_memory = _local_memory(1)
-    if device_memory_bytes is None and view.model is not None and view.source_kind == "recipe":
-        import torch
-
-        if torch.cuda.is_available():
-            from common.memory import local_device_memory
-
-            view.device_memory_bytes = local_device_memory(view.ranks_per_node)[0]
-    return sorted(findings + run_rules(view), key=lambda f: SEVERITY_ORDER[f.severity])
-
-
-# --- the `zero-recipes lint` command ------------------------------------------------------------------
-
-
-def register(sub: Any) -> None:
-    """Add ``zero-recipes lint`` to the CLI's subparsers."""
-    p = sub.add_parser(
-        "lint",
-        help="check a recipe YAML, DeepSpeed JSON or accelerate YAML for known ZeRO pitfalls",
-        description="Check a config for the pitfalls of the guides and upstream ones; each finding names its rule, "
-        "severity and fix. Exit code 1 when there is an error.",
-    )
-    p.add_argument("config", help="recipe YAML, DeepSpeed JSON or accelerate YAML")
-    p.add_argument("--recipe", default=None, help="the recipe a YAML belongs to (default: guessed)")
-    p.add_argument("--backend", choices=BACKENDS, default=None, help="who consumes a DeepSpeed JSON")
-    p.add_argument("--hidden-size", type=int, default=None, help="the model's hidden size")
-    p.add_argument("--params", default=None, help="the model's parameter count, e.g. 7e9")
-    p.add_argument("--model-config", default=None, help="a Hugging Face config.json (hidden size and parameters)")
-    p.add_argument(
-        "--gpu-memory", default=None, help="memory per device for the activation check, e.g. 80GB (default: local GPU)"
-    )
-    p.add_argument("--json", action="store_true", help="print findings as JSON")
-    p.set_defaults(func=cmd_lint)
-
-
-def cmd_lint(args: Any) -> int:
-    """``zero-recipes lint``: print findings, exit 1 on errors."""
-    from common.memory import facts_from_hf_config, parse_bytes, parse_count
-
-    model = facts_from_hf_config(args.model_config) if args.model_config else None
-    findings = lint_file(
-        args.config,
-        recipe=args.recipe,
-        backend=args.backend,
-        hidden_size=args.hidden_size,
-        num_params=parse_count(args.params) if args.params else None,
-        model=model,
-        device_memory_bytes=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
-    )
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "config": args.config,
-                    "findings": [asdict(f) for f in findings],
-                    "errors": sum(f.severity == "error" for f in findings),
-                },
-                indent=2,
-            )
-        )
-    else:
-        print_findings(findings, file=sys.stdout, prefix=f"{args.config}: ")
-    return 1 if has_errors(findings) else 0
-
-
 def lint_at_start(
     ds_config: dict[str, Any],
     recipe_config: dict[str, Any],
@@ -1288,7 +1005,6 @@ def lint_at_start(
     Raises:
         ConfigError: when a rule reports an error.
     """
-    from common.errors import ConfigError
     from common.rundir import is_launcher_rank_zero
 
     findings = lint_run(ds_config, recipe_config, hidden_size=hidden_size, world_size=world_size)

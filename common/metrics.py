@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
+import time
 from typing import Any
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from the vendors' data sheets.
@@ -77,3 +79,37 @@ def median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+class Clock:
+    """Wall time since start, and per-step durations that leave out evaluation and checkpoint time."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.step_seconds: list[float] = []
+
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        self.step_seconds.append(now - self.last)
+        self.last = now
+
+    def skip(self) -> None:
+        """Do not count the time since the last step (evaluation, checkpoint) as step time."""
+        self.last = time.perf_counter()
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.start
+
+    def median_step(self) -> float:
+        """Median step time, leaving out the first steps (start-up) when there are enough."""
+        kept = self.step_seconds[5:] if len(self.step_seconds) > 10 else self.step_seconds
+        return median(kept) if kept else math.nan
+
+
+def all_reduce(tensor: Any, op: str = "sum") -> Any:
+    """Sum or max of a tensor over ranks, in place (a no-op in one process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return tensor

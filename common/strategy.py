@@ -286,6 +286,13 @@ def resolve_deepspeed_config(
     return config
 
 
+def torch_dtype(precision: str) -> Any:
+    """The ``torch.dtype`` of a precision name (``bf16`` -> ``torch.bfloat16``); torch is imported only here."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
 def zero_stage(ds_config: dict[str, Any]) -> int:
     """The ZeRO stage of a resolved config."""
     return int(ds_config["zero_optimization"]["stage"])

@@ -213,7 +213,7 @@ def model_facts(cfg: CVConfig) -> dict[str, Any]:
     """
     from transformers import AutoModelForImageClassification
 
-    from common.memory import count_module
+    from common.memory_formulas import count_module
 
     config = read_model_config(cfg)
     with torch.device("meta"):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from _util import REPO, subprocess_env
 
-from common.copy_recipe import available_recipes, copy_recipe
 from common.errors import ConfigError
+from common.tools.copy_recipe import available_recipes, copy_recipe
 
 
 def test_copy_has_scripts_configs_launch_files_and_a_smoke_test(tmp_path):

@@ -26,7 +26,7 @@ import pytest
 import torch
 from _util import PYTHON, REPO, accelerate_launch, run
 
-from common.cli import main as cli_main
+from common.tools.cli import main as cli_main
 
 RECIPE = REPO / "recipes" / "nlp"
 TINY = [
@@ -150,7 +150,7 @@ def test_zero3_export_loads_with_the_logits_of_the_runs_final(backend, runs, tmp
     run_dir = runs[backend]
     # As a user types it, with --verify, on the run directory.
     out = tmp_path / "bf16"
-    proc = run([PYTHON, "-m", "common.cli", "export", run_dir, out, "--dtype", "bf16", "--verify"], timeout=300)
+    proc = run([PYTHON, "-m", "common.tools.cli", "export", run_dir, out, "--dtype", "bf16", "--verify"], timeout=300)
     assert "exported ZeRO-3 checkpoint" in proc.stdout and "(Hugging Face folder)" in proc.stdout
     assert "verify against DeepSpeed's zero_to_fp32: " in proc.stdout, proc.stdout
     assert "max abs difference 0;" in proc.stdout, proc.stdout
@@ -194,7 +194,7 @@ def test_zero1_and_zero2_exports_equal_deepspeeds_consolidation(stage, runs, tmp
 def test_verify_fails_when_one_exported_tensor_is_changed(runs, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
-    from common.export import verify_export, verify_failures
+    from common.tools.export import verify_export, verify_failures
 
     run_dir = runs["lightning_zero2"]
     out = tmp_path / "fp32"
@@ -228,9 +228,9 @@ def swap_two_parameters(layout_function):
 
 
 def test_verify_fails_when_the_layout_code_misplaces_a_parameter(runs, tmp_path, capsys, monkeypatch):
-    import common.export
+    import common.tools.export
 
-    monkeypatch.setattr(common.export, "zero3_layout", swap_two_parameters(common.export.zero3_layout))
+    monkeypatch.setattr(common.tools.export, "zero3_layout", swap_two_parameters(common.tools.export.zero3_layout))
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["export", str(runs["accelerate_zero3"]), str(tmp_path / "out"), "--verify", "--quiet"])
     err = capsys.readouterr().err
@@ -285,7 +285,7 @@ def test_refuses_a_corrupt_shard_and_names_it(checkpoint_copy, tmp_path, capsys)
 
 
 def test_refuses_a_checkpoint_from_a_newer_deepspeed(checkpoint_copy, tmp_path, capsys):
-    from common.export import _deepspeed_pickle_classes
+    from common.tools.export import _deepspeed_pickle_classes
 
     states = sorted((checkpoint_copy / "pytorch_model").glob("*_model_states.pt"))
     with torch.serialization.safe_globals(_deepspeed_pickle_classes()):

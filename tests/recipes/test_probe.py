@@ -18,8 +18,8 @@ import pytest
 import yaml
 from _util import REPO, subprocess_env
 
-from common import probe
-from common.probe import Candidate, ProbeRow
+from common.tools import probe
+from common.tools.probe import Candidate, ProbeRow
 
 EXE = shutil.which("zero-recipes")
 # Small enough that one candidate is start-up plus a few seconds of training on 2 cores.

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.activation import AC_PRESETS, SavedBytesCounter, apply_activation_checkpointing, saved_activation_bytes
-from common.memory import facts_from_model_config, transformer_activations
+from common.memory_formulas import facts_from_model_config, transformer_activations
 from nlp.model import build_llama_config, build_model_from_config
 
 TOLERANCE = 0.10  # the bar; measured agreement here is within 0.1 %

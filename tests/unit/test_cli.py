@@ -97,7 +97,7 @@ def test_commands_print_nothing_on_stderr(args):
 def test_deepspeed_still_logs_its_other_messages():
     """The filter drops one notice, not DeepSpeed's logger: its warnings still reach the user."""
     code = (
-        "import logging; from common.cli import quiet_deepspeed_cpu_notice; quiet_deepspeed_cpu_notice(); "
+        "import logging; from common.tools.cli import quiet_deepspeed_cpu_notice; quiet_deepspeed_cpu_notice(); "
         "import deepspeed; from deepspeed.utils import logger; logger.warning('a real warning')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import build_parser
 from common.config import build_config, coerce, parse_overrides, read_yaml, recipe_arg_parser
 from common.errors import ConfigError, nearest
-from common.probe import default_config_path, load_recipe_module, recipe_config_class
+from common.tools.cli import build_parser
+from common.tools.probe import default_config_path, load_recipe_module, recipe_config_class
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

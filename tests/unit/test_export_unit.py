@@ -1,4 +1,4 @@
-"""``common.export``'s pure parts: where ZeRO puts each parameter's elements, shard planning, sizes, refusals.
+"""``common.tools.export``'s pure parts: where ZeRO puts each parameter's elements, shard planning, sizes, refusals.
 
 The layouts are checked against DeepSpeed's own arithmetic (``zero_to_fp32``'s partition sizes) on flat vectors
 built the way DeepSpeed partitions them; the whole export runs on real checkpoints in
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError
-from common.export import (
+from common.tools.export import (
     check_out_dir,
     load_structure,
     locate,

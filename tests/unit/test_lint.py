@@ -11,10 +11,11 @@ import pytest
 import yaml
 
 from common import lint
-from common.lint import LintView, lint_file, lint_run
-from common.memory import ModelFacts
+from common.lint import LintView, lint_run
+from common.memory_formulas import ModelFacts
 from common.presets import PRESET_NAMES
 from common.strategy import RunFacts, resolve_deepspeed_config
+from common.tools.lint import lint_file
 
 REPO = Path(__file__).resolve().parents[2]
 EXE = shutil.which("zero-recipes")

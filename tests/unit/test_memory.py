@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from common import memory
-from common.memory import GB, ModelFacts, PlanInputs
+from common import memory_formulas
+from common.memory_formulas import GB, ModelFacts
+from common.tools import memory
+from common.tools.memory import PlanInputs
 
 EXE = shutil.which("zero-recipes")
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -28,7 +30,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_guide_table_exactly():
-    facts = memory.assumed_transformer(7_000_000_000)
+    facts = memory_formulas.assumed_transformer(7_000_000_000)
     result = memory.plan(facts, PlanInputs(gpus_per_node=8))
     rows = {r.stage: r for r in result.rows if r.offload == "none"}
     # Stage 3 keeps parameters under the persistence threshold (10 x hidden) whole as well as sharded: for
@@ -37,17 +39,19 @@ def test_guide_table_exactly():
     for stage, gb in GUIDE_TABLE_GB.items():
         whole_copies = 2 * persistent if stage == 3 else 0
         assert rows[stage].model_states_bytes == gb * GB + whole_copies, (stage, rows[stage].model_states_bytes)
-        assert memory.fmt_gb(rows[stage].model_states_bytes) == f"{gb:.2f} GB"  # the guide's table, as printed
+        assert memory_formulas.fmt_gb(rows[stage].model_states_bytes) == f"{gb:.2f} GB"  # the guide's table, as printed
     assert rows[3].persistent_params == persistent
 
 
 def test_stage3_persistent_parameters_counted_by_deepspeeds_rule():
     """A parameter persists when numel <= threshold (DeepSpeed's mark_persistent_parameters); P bytes each, N-free."""
     facts = ModelFacts(num_params=1_000_010, param_numels=(1_000_000, 4, 6))
-    assert memory.persistent_params(facts, 6) == 10 and memory.persistent_params(facts, 5) == 4
-    on_device, _ = memory.guide_model_states(facts, 3, "none", 4, "bf16", persistence_threshold=6)
+    assert memory_formulas.persistent_params(facts, 6) == 10 and memory_formulas.persistent_params(facts, 5) == 4
+    on_device, _ = memory_formulas.guide_model_states(facts, 3, "none", 4, "bf16", persistence_threshold=6)
     assert on_device == 16 * 1_000_010 / 4 + 2 * 10
-    after_step, _ = memory.guide_model_states(facts, 3, "none", 4, "bf16", persistence_threshold=6, grads_alive=False)
+    after_step, _ = memory_formulas.guide_model_states(
+        facts, 3, "none", 4, "bf16", persistence_threshold=6, grads_alive=False
+    )
     assert on_device - after_step == 2 * 1_000_010 / 4  # the sharded bf16 gradients, released by step()
 
 
@@ -95,7 +99,7 @@ def test_agrees_with_deepspeeds_estimators(total_params, gpus, nodes):
     largest = total_params // 50
     for offload, cpu_offload in (("none", False), ("optimizer", True)):
         cpu, gpu = zero2(total_params, num_gpus_per_node=gpus, num_nodes=nodes, cpu_offload=cpu_offload)
-        assert memory.deepspeed_estimate(total_params, largest, 2, offload, gpus, nodes) == (gpu, cpu)
+        assert memory_formulas.deepspeed_estimate(total_params, largest, 2, offload, gpus, nodes) == (gpu, cpu)
     for offload, cpu_offload, offload_params in (
         ("none", False, False),
         ("optimizer", True, False),
@@ -109,12 +113,12 @@ def test_agrees_with_deepspeeds_estimators(total_params, gpus, nodes):
             cpu_offload=cpu_offload,
             cpu_offload_params=offload_params,
         )
-        assert memory.deepspeed_estimate(total_params, largest, 3, offload, gpus, nodes) == (gpu, cpu)
+        assert memory_formulas.deepspeed_estimate(total_params, largest, 3, offload, gpus, nodes) == (gpu, cpu)
 
 
 def test_plan_rows_carry_deepspeeds_numbers():
     zero2, zero3 = _deepspeed_estimators()
-    facts = memory.assumed_transformer(7_000_000_000)
+    facts = memory_formulas.assumed_transformer(7_000_000_000)
     rows = {(r.stage, r.offload): r for r in memory.plan(facts, PlanInputs(gpus_per_node=8)).rows}
     k, largest = facts.num_params, facts.largest_layer_params
     assert rows[(2, "none")].deepspeed_estimate_bytes == zero2(k, 8, 1, cpu_offload=False)[1]
@@ -130,10 +134,12 @@ def test_korthikanti_per_layer_formula_keeps_the_score_term_only_for_eager():
     # = 8,388,608 x 114 bytes per layer with eager attention (the paper's count, which stores the scores).
     gpt = {"num_params": 1, "architecture": "transformer", "hidden_size": 4096, "num_heads": 32, "block": "gpt"}
     one_layer = ModelFacts(num_layers=1, **gpt)
-    parts = memory.activation_parts(one_layer, 2048, 1, "bf16", "eager")
+    parts = memory_formulas.activation_parts(one_layer, 2048, 1, "bf16", "eager")
     assert parts.layer == 2048 * 4096 * 114
     # SDPA / FlashAttention never store the a x s x s scores, only a float32 log-sum-exp per head and token.
-    assert memory.activation_parts(one_layer, 2048, 1, "bf16", "sdpa").layer == 2048 * 4096 * 34 + 4 * 32 * 2048
+    assert (
+        memory_formulas.activation_parts(one_layer, 2048, 1, "bf16", "sdpa").layer == 2048 * 4096 * 34 + 4 * 32 * 2048
+    )
 
 
 def test_llama_block_counted_op_by_op():
@@ -151,41 +157,41 @@ def test_llama_block_counted_op_by_op():
         block="llama",
     )
     per_token = 2 * (8 * 4096 + 4) + 4 * 4096 + 4 * 1024 + 4 * 32 + 8 * 14336
-    parts = memory.activation_parts(llama3, 2048, 1, "bf16", "sdpa")
+    parts = memory_formulas.activation_parts(llama3, 2048, 1, "bf16", "sdpa")
     assert parts.layer == 2048 * per_token
     # Eager: q, k, v (repeated to 32 heads), out copy: 4 x 2 h; the softmax in fp32 and its bf16 copy, 6 B/score.
-    eager = memory.activation_parts(llama3, 2048, 1, "bf16", "eager")
+    eager = memory_formulas.activation_parts(llama3, 2048, 1, "bf16", "eager")
     assert eager.layer - parts.layer == 2048 * (4 * 4096 - 4 * 1024 - 4 * 32) + 6 * 32 * 2048 * 2048
-    none = memory.transformer_activations(llama3, 2048, 1, "none", "bf16", "sdpa")
+    none = memory_formulas.transformer_activations(llama3, 2048, 1, "none", "bf16", "sdpa")
     # The loss's float32 log-probabilities (4 V per token), the final norm and the token ids come on top.
     assert none == 32 * parts.layer + parts.head + parts.rope
     assert 14e9 < none < 15e9  # Korthikanti's s*b*h*(34 + 5as/h) said 31.65 GB
-    assert memory.transformer_activations(llama3, 2048, 2, "none") == pytest.approx(2 * none, rel=1e-3)
+    assert memory_formulas.transformer_activations(llama3, 2048, 2, "none") == pytest.approx(2 * none, rel=1e-3)
     layers = ModelFacts(num_params=1, architecture="transformer", hidden_size=4096, num_layers=32, num_heads=32)
-    none = memory.transformer_activations(layers, 2048, 1, "none")
-    full = memory.transformer_activations(layers, 2048, 1, "full")
+    none = memory_formulas.transformer_activations(layers, 2048, 1, "none")
+    full = memory_formulas.transformer_activations(layers, 2048, 1, "full")
     assert (
         full
-        < memory.transformer_activations(layers, 2048, 1, "save_memory_optimized")
-        < memory.transformer_activations(layers, 2048, 1, "every_k")
+        < memory_formulas.transformer_activations(layers, 2048, 1, "save_memory_optimized")
+        < memory_formulas.transformer_activations(layers, 2048, 1, "every_k")
         < none
     )
     fno = ModelFacts(num_params=500_000, architecture="FNO1d")
-    assert memory.transformer_activations(fno, 256, 10, "none") is None  # not a transformer: not estimated
+    assert memory_formulas.transformer_activations(fno, 256, 10, "none") is None  # not a transformer: not estimated
 
 
 def test_buffers_follow_deepspeed_and_the_measured_stage3_bucket():
     # DeepSpeed's docs: overlap_comm uses 4.5 x the buckets: 5e8 x 2 B x 2 buckets x 4.5 = 9 GB.
     zero2 = {"overlap_comm": True, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
-    assert memory.buffer_bytes(2, zero2, "bf16", 0, int(5e8)) == 9e9
+    assert memory_formulas.buffer_bytes(2, zero2, "bf16", 0, int(5e8)) == 9e9
     # Measured here (DESIGN.md): stage 3 preallocates reduce_bucket_size elements: 5e8 -> 1 GB, 5e7 -> 100 MB.
     for bucket, preallocated in ((5e8, 1e9), (5e7, 1e8)):
         zero3 = {"reduce_bucket_size": bucket, "stage3_prefetch_bucket_size": 0}
-        assert memory.buffer_bytes(3, zero3, "bf16", 0, int(bucket)) == preallocated
+        assert memory_formulas.buffer_bytes(3, zero3, "bf16", 0, int(bucket)) == preallocated
 
 
 def test_ladder_recommendation_climbs_with_less_memory():
-    facts = memory.assumed_transformer(7_000_000_000)
+    facts = memory_formulas.assumed_transformer(7_000_000_000)
 
     def rec(device_gb: float, host_gb: float | None = None) -> dict:
         inputs = PlanInputs(
@@ -206,21 +212,21 @@ def test_ladder_recommendation_climbs_with_less_memory():
 
 def test_offload_moves_states_to_the_host():
     facts = ModelFacts(num_params=1_000_000_000)
-    on_device, host = memory.guide_model_states(facts, 2, "optimizer", 8)
+    on_device, host = memory_formulas.guide_model_states(facts, 2, "optimizer", 8)
     assert on_device == 2e9 + 2e9 / 8 and host == 12e9 / 8
-    on_device, host = memory.guide_model_states(facts, 3, "params", 8)
+    on_device, host = memory_formulas.guide_model_states(facts, 3, "params", 8)
     assert on_device == 0 and host == 16e9 / 8
 
 
 def test_lora_shrinks_model_states():
-    facts = memory.assumed_transformer(7_000_000_000)
-    full, _ = memory.guide_model_states(facts, 2, "none", 8)
-    lora, _ = memory.guide_model_states(facts, 2, "none", 8, lora_rank=16)
-    adapters = memory.lora_params(facts, 16)
+    facts = memory_formulas.assumed_transformer(7_000_000_000)
+    full, _ = memory_formulas.guide_model_states(facts, 2, "none", 8)
+    lora, _ = memory_formulas.guide_model_states(facts, 2, "none", 8, lora_rank=16)
+    adapters = memory_formulas.lora_params(facts, 16)
     # The frozen base keeps only its 2-byte copy (replicated below stage 3); the adapters follow 2K + 14K/N.
     assert lora == pytest.approx(2 * facts.num_params + 2 * adapters + 14 * adapters / 8)
     assert lora < full
-    lora3, _ = memory.guide_model_states(facts, 3, "none", 8, lora_rank=16)
+    lora3, _ = memory_formulas.guide_model_states(facts, 3, "none", 8, lora_rank=16)
     assert lora3 == pytest.approx((2 * facts.num_params + 16 * adapters) / 8)
 
 
@@ -231,7 +237,7 @@ def test_model_config_counts_parameters_exactly(tmp_path):
 
     config = LlamaConfig(**LLAMA_SIZES["tiny"])
     config.save_pretrained(tmp_path)
-    facts = memory.facts_from_hf_config(tmp_path / "config.json")
+    facts = memory_formulas.facts_from_hf_config(tmp_path / "config.json")
     assert facts.num_params == llama_param_count(config)
     assert (facts.hidden_size, facts.num_layers, facts.num_heads) == (256, 4, 4)
     assert facts.largest_layer_params == 4096 * 256  # the embedding, as DeepSpeed's model_to_params counts it
@@ -241,12 +247,12 @@ def test_model_config_counts_parameters_exactly(tmp_path):
     ("text", "expected"), [("80GB", 80e9), ("80GiB", 80 * 2**30), ("141e9", 141e9), ("24 GB", 24e9), ("512MB", 512e6)]
 )
 def test_parse_bytes(text, expected):
-    assert memory.parse_bytes(text) == expected
+    assert memory_formulas.parse_bytes(text) == expected
 
 
 def test_parse_count():
-    assert memory.parse_count("7e9") == memory.parse_count("7B") == 7_000_000_000
-    assert memory.parse_count("125M") == 125_000_000
+    assert memory_formulas.parse_count("7e9") == memory_formulas.parse_count("7B") == 7_000_000_000
+    assert memory_formulas.parse_count("125M") == 125_000_000
 
 
 def test_bad_input_is_one_line_exit_2():
@@ -279,7 +285,7 @@ def test_tools_md_example_is_the_commands_output():
 
 def test_tools_md_claim_about_guide_1s_measured_totals():
     """tools.md: the planner's totals (no / full checkpointing) bracket guide 1's 47 and 22 GB; both exceed 33 GB."""
-    facts = memory.assumed_transformer(7_000_000_000)
+    facts = memory_formulas.assumed_transformer(7_000_000_000)
     rows = {r.stage: r for r in memory.plan(facts, PlanInputs(gpus_per_node=8)).rows if r.offload == "none"}
     for stage, measured_gb in {1: 47, 3: 22}.items():
         assert rows[stage].total_checkpointed_bytes < measured_gb * GB < rows[stage].total_bytes

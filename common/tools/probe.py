@@ -39,7 +39,7 @@ from typing import Any
 
 from common.errors import ConfigError, nearest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "recipes"
 
 # --- reading recipes ----------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def _positional_arity(fn: Callable[..., Any]) -> int:
 
 
 def recipe_model_facts(module: ModuleType, cfg: Any) -> Any:
-    """:class:`common.memory.ModelFacts` of the recipe's model, without data and without memory.
+    """:class:`common.memory_formulas.ModelFacts` of the recipe's model, without data and without memory.
 
     In order: the recipe's ``model_facts(cfg) -> dict`` (keys of ModelFacts) when it defines one; its
     ``model_config(cfg, tokenizer=None)`` (a transformers config, built on the ``meta`` device); its
@@ -151,7 +151,7 @@ def recipe_model_facts(module: ModuleType, cfg: Any) -> Any:
     """
     import torch
 
-    from common.memory import ModelFacts, count_module, facts_from_model_config
+    from common.memory_formulas import ModelFacts, count_module, facts_from_model_config
 
     name = module.__name__.removeprefix("zero_recipes_recipe_")
     hook = getattr(module, "model_facts", None)
@@ -833,7 +833,7 @@ def run_probe(
     """
     from tqdm import tqdm
 
-    from common.memory import local_device_memory
+    from common.memory_formulas import local_device_memory
 
     overrides = list(overrides or [])
     config = Path(config).resolve() if config else None  # candidates run with absolute paths

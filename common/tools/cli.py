@@ -23,7 +23,7 @@ from common.presets import PRESETS
 from common.rundir import refuse_file_as_out_dir
 from common.strategy import PRECISIONS, RunFacts, resolve_deepspeed_config, write_accelerate_files
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "recipes"
 
 
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
-    from common import copy_recipe, export, lint, memory, probe
+    from common.tools import copy_recipe, export, lint, memory, probe
 
     return [copy_recipe.register, memory.register, lint.register, probe.register, export.register]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from common.errors import ConfigError, nearest
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 SKIP_DIRS = {"__pycache__", "launch"}
 
 SMOKE_TEST = '''"""Smoke test of this recipe copy: a few training steps through train.py, then the run directory.

@@ -1,0 +1,535 @@
+"""The guides' memory formulas and the model facts they need: pure arithmetic, no DeepSpeed, no recipe.
+
+The planner (``zero-recipes estimate``, :mod:`common.tools.memory`) builds its table from these, the linter's
+rules (:mod:`common.lint`) check configs with them, and a recipe's ``--describe`` reports its model with
+:func:`facts_from_model_config` / :func:`count_module`. See :mod:`common.tools.memory` for what each term is.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.errors import ConfigError
+
+# Bytes per element of the working (16/32-bit) copy; the same table as common.accounting.WORKING_BYTES,
+# repeated so that the CLI does not import torch just to build its parser.
+WORKING_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+GB = 1e9  # the guides' GB (112 GB = 7e9 x 16 B)
+GIB = 2**30
+
+# Share of device memory a plan may use; the rest is fragmentation and the runtime's context.
+USABLE_FRACTION = 0.9
+
+# DeepSpeed's default for stage3_max_live_parameters: gathered parameters kept whole while reused.
+DS_MAX_LIVE_PARAMETERS = 1e9
+
+# DeepSpeed's default for the estimators' "additional_buffer_factor".
+DS_ADDITIONAL_BUFFER_FACTOR = 1.5
+
+OFFLOADS = ("none", "optimizer", "params")
+
+# When only a parameter count is given, assume a Llama-like shape: hidden / layers = 128 (Llama-2 7B
+# and 13B), head size 128, vocabulary 32000, MLP 8/3 x hidden.
+ASSUMED_ASPECT = 128
+ASSUMED_HEAD_DIM = 128
+ASSUMED_VOCAB = 32000
+
+# Attention implementations (transformers' names) and what the activation count does with them. "auto"
+# resolves to FlashAttention-2 or SDPA (nlp.model.resolve_attention): both save the same tensors.
+ATTENTIONS = ("sdpa", "flash_attention_2", "eager", "auto")
+# Model types whose blocks are Llama's: RMSNorm computed in float32, rotary embeddings, gated (SwiGLU) MLP.
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+FP32 = 4  # bytes: RMSNorm's upcast, the log-sum-exp, the softmax and the loss's log-probabilities
+INDEX_BYTES = 8  # int64 token ids
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the planner needs to know about a model.
+
+    Attributes:
+        num_params: K, every parameter (shared ones once).
+        largest_layer_params: the biggest module's own parameters (DeepSpeed's ``model_to_params``).
+        architecture: ``transformer`` (activations estimated) or anything else (not estimated).
+        hidden_size: h; also scales bucket sizes the way the presets do.
+        num_layers: L.
+        num_heads: a.
+        vocab_size: V (output logits).
+        intermediate_size: MLP width (LoRA adapter count, activations of a gated MLP).
+        num_kv_heads: key/value heads (grouped-query attention); None = num_heads.
+        head_dim: size of one head; None = hidden / heads.
+        block: ``llama`` (RMSNorm, rotary, gated MLP: counted op by op) or ``gpt`` (Korthikanti's formula).
+        param_numels: each parameter's element count (shared ones once), for the stage-3 persistence
+            threshold; empty when unknown (no parameter is then counted as persistent).
+        source: where the facts come from, in words (shown in the output).
+    """
+
+    num_params: int
+    largest_layer_params: int | None = None
+    architecture: str = "unknown"
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    vocab_size: int | None = None
+    intermediate_size: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    block: str = "gpt"
+    param_numels: tuple[int, ...] = ()
+    source: str = "--params"
+
+
+# --- parsing ------------------------------------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
+_SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_BINARY_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str | float | int) -> float:
+    """``"80GB"`` -> 8e10, ``"80GiB"`` -> 80 x 2^30, ``"141e9"`` -> 1.41e11; a plain number is bytes."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        return float(text)
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ConfigError(f"cannot read {text!r} as a memory size; write e.g. 80GB, 24GiB or 8e10")
+    number, unit, binary = float(match.group(1)), match.group(2).lower(), match.group(3)
+    if binary and unit:
+        return number * _BINARY_UNITS[unit]
+    return number * _SIZE_UNITS[unit]
+
+
+def parse_count(text: str | float | int) -> int:
+    """``"7e9"``, ``"7B"``, ``"125M"``, ``"7000000000"`` -> an integer parameter count."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        return int(text)
+    raw = str(text).strip().replace("_", "")
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(raw[-1:].lower())
+    try:
+        value = float(raw[:-1]) * scale if scale else float(raw)
+    except ValueError:
+        raise ConfigError(f"cannot read {text!r} as a parameter count; write e.g. 7e9 or 7B") from None
+    if value < 1:
+        raise ConfigError(f"parameter count must be >= 1, got {text!r}")
+    return int(value)
+
+
+def fmt_gb(nbytes: float | None, digits: int = 2) -> str:
+    """Bytes as the guides' GB (1e9), e.g. ``26.25 GB``; None as ``n/a``."""
+    if nbytes is None:
+        return "n/a"
+    if nbytes == 0:
+        return "0"
+    if abs(nbytes) >= 1e9:
+        return f"{nbytes / GB:.{digits}f} GB"
+    if abs(nbytes) >= 1e6:
+        return f"{nbytes / 1e6:.1f} MB"
+    return f"{nbytes / 1e3:.1f} kB"
+
+
+# --- model facts --------------------------------------------------------------------------------------
+
+
+def assumed_transformer(num_params: int) -> ModelFacts:
+    """A Llama-like shape for a bare parameter count (12 L h^2 + V h params, h = 128 L), labelled as assumed."""
+    # Solve 12 L h^2 + V h = K with h = 128 L for L (monotonic; bisection is plenty).
+    lo, hi = 1.0, 1000.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        h = ASSUMED_ASPECT * mid
+        if 12 * mid * h * h + ASSUMED_VOCAB * h > num_params:
+            hi = mid
+        else:
+            lo = mid
+    layers = max(1, round(lo))
+    hidden = max(ASSUMED_HEAD_DIM, int(round(ASSUMED_ASPECT * lo / ASSUMED_HEAD_DIM)) * ASSUMED_HEAD_DIM)
+    intermediate = int(8 * hidden / 3)
+    # Two RMSNorm weights per layer and the final one are the parameters small enough to persist; the
+    # matrices are lumped (each is far over any persistence threshold).
+    norms = (hidden,) * (2 * layers + 1)
+    return ModelFacts(
+        num_params=int(num_params),
+        largest_layer_params=ASSUMED_VOCAB * hidden,
+        architecture="transformer",
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=hidden // ASSUMED_HEAD_DIM,
+        vocab_size=ASSUMED_VOCAB,
+        intermediate_size=intermediate,
+        num_kv_heads=hidden // ASSUMED_HEAD_DIM,
+        head_dim=ASSUMED_HEAD_DIM,
+        block="llama",
+        param_numels=(*norms, max(0, int(num_params) - sum(norms))),
+        source=f"--params (shape assumed: {layers} layers, hidden {hidden}, vocab {ASSUMED_VOCAB}; "
+        "pass --model-config for exact activations)",
+    )
+
+
+def count_module(model: Any) -> tuple[int, int]:
+    """(parameters counted once, largest module's own parameters) of a ``torch.nn.Module``.
+
+    The same counts as DeepSpeed's ``model_to_params``, but shared parameters are recognised by
+    identity, so it also works on the ``meta`` device where every ``data_ptr()`` is 0.
+    """
+    seen: dict[int, int] = {}
+    for param in model.parameters():
+        seen[id(param)] = param.numel()
+    largest = 0
+    for module in model.modules():
+        largest = max(largest, sum(p.numel() for p in module.parameters(recurse=False)))
+    return sum(seen.values()), largest
+
+
+def param_numels(model: Any) -> tuple[int, ...]:
+    """Each parameter's element count, shared parameters once (by identity: works on ``meta``)."""
+    return tuple({id(p): p.numel() for p in model.parameters()}.values())
+
+
+def persistent_params(facts: ModelFacts, threshold: int) -> int:
+    """Parameters stage 3 keeps whole on every rank: those of at most ``threshold`` elements (DeepSpeed's rule)."""
+    return sum(n for n in facts.param_numels if n <= threshold)
+
+
+def facts_from_model_config(config: Any, source: str) -> ModelFacts:
+    """Model facts from a transformers config object: the model is built on PyTorch's ``meta`` device.
+
+    ``AutoModelForCausalLM.from_config`` (falling back to ``AutoModel``) on ``meta`` gives exact counts
+    for any architecture transformers knows and uses no memory.
+    """
+    import torch
+    import transformers
+
+    model = None
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            with torch.device("meta"):
+                model = auto.from_config(config)
+            break
+        except (ValueError, KeyError):
+            continue
+    if model is None:
+        raise ConfigError(f"{source}: transformers cannot build model_type {config.model_type!r}")
+    total, largest = count_module(model)
+    hidden = getattr(config, "hidden_size", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    llama_like = config.model_type in LLAMA_LIKE and getattr(config, "intermediate_size", None)
+    return ModelFacts(
+        num_params=total,
+        largest_layer_params=largest,
+        architecture="transformer" if hidden and layers and heads else config.model_type,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        vocab_size=getattr(config, "vocab_size", None),
+        intermediate_size=getattr(config, "intermediate_size", None),
+        num_kv_heads=getattr(config, "num_key_value_heads", None),
+        head_dim=getattr(config, "head_dim", None),
+        block="llama" if llama_like else "gpt",
+        param_numels=param_numels(model),
+        source=f"{source} ({config.model_type}, counted on the meta device)",
+    )
+
+
+def facts_from_hf_config(path: str | Path) -> ModelFacts:
+    """Model facts from a Hugging Face ``config.json`` (see :func:`facts_from_model_config`)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model config not found: {path}")
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises ValueError/OSError/KeyError for unknown configs
+        raise ConfigError(f"{path}: not a Hugging Face model config ({str(exc).splitlines()[0]})") from None
+    return facts_from_model_config(config, f"--model-config {path}")
+
+
+def lora_params(facts: ModelFacts, rank: int) -> int:
+    """LoRA adapter parameters on the attention (q, k, v, o) and MLP (gate, up, down) projections.
+
+    Each adapted ``d_in x d_out`` matrix adds ``rank x (d_in + d_out)``; grouped-query k/v are counted
+    as full width (a slight overestimate).
+    """
+    if not (facts.hidden_size and facts.num_layers):
+        raise ConfigError("--lora-rank needs the model's shape: pass --model-config (or --params for a Llama shape)")
+    h = facts.hidden_size
+    inter = facts.intermediate_size or int(8 * h / 3)
+    per_layer = 4 * rank * (h + h) + 3 * rank * (h + inter)
+    return facts.num_layers * per_layer
+
+
+# --- the terms ----------------------------------------------------------------------------------------
+
+
+def guide_model_states(
+    facts: ModelFacts,
+    stage: int,
+    offload: str,
+    world_size: int,
+    precision: str = "bf16",
+    lora_rank: int | None = None,
+    persistence_threshold: int = 0,
+    grads_alive: bool = True,
+) -> tuple[float, float]:
+    """(device bytes, host bytes) of model states per rank by guide 1's formula, with offload moving terms.
+
+    Gradients are counted alive by default (the peak, during backward; ``grads_alive=False`` is the state
+    after ``step()``). With LoRA the frozen base holds only its working copy (no gradients, no optimizer
+    states) and the adapters follow the formula. Stage 3 on more than one rank adds P bytes for every
+    parameter under ``persistence_threshold``: DeepSpeed keeps it whole on every rank as well as its
+    partition, which the guide's 16K/N already counts.
+    """
+    from common.accounting import predicted_model_state_bytes
+
+    if lora_rank:
+        trainable = lora_params(facts, lora_rank)
+        frozen = facts.num_params
+        p = WORKING_BYTES[precision]
+        base = p * frozen / world_size if stage == 3 else p * frozen
+        parts = predicted_model_state_bytes(trainable, stage, world_size, precision, grads_alive=grads_alive)
+        parts = {**parts, "params": parts["params"] + base}
+    else:
+        parts = predicted_model_state_bytes(facts.num_params, stage, world_size, precision, grads_alive=grads_alive)
+    # On one rank the partition is the whole parameter: no second copy (measured: bench/memory.py).
+    sharded = stage == 3 and world_size > 1
+    whole_copies = WORKING_BYTES[precision] * persistent_params(facts, persistence_threshold) if sharded else 0
+    device, host = parts["params"] + parts["grads"] + parts["optimizer"] + whole_copies, 0.0
+    if offload in ("optimizer", "params"):
+        device -= parts["optimizer"]
+        host += parts["optimizer"]
+    if offload == "params":
+        device -= parts["params"] + parts["grads"]
+        host += parts["params"] + parts["grads"]
+    return device, host
+
+
+def deepspeed_estimate(
+    total_params: int,
+    largest_layer_params: int,
+    stage: int,
+    offload: str,
+    gpus_per_node: int,
+    nodes: int,
+    additional_buffer_factor: float = DS_ADDITIONAL_BUFFER_FACTOR,
+) -> tuple[float | None, float | None]:
+    """(per-GPU bytes, per-node CPU bytes) as DeepSpeed 0.19's estimators compute them, None where it has none.
+
+    Stage 2 restates ``deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs``,
+    stage 3 ``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs`` with
+    ``zero_init=True``. Stages 0 and 1 and optimizer offload on stage 1 have no DeepSpeed estimator.
+    """
+    total_gpus = nodes * gpus_per_node
+    k = total_params
+    if stage == 2:
+        if offload == "optimizer":
+            return float(int(2 * k)), float(int(k * max(4 * total_gpus, 16) * additional_buffer_factor))
+        if offload == "none":
+            return float(int(2 * k + int(18 * k / total_gpus))), float(
+                int(k * 4 * gpus_per_node * additional_buffer_factor)
+            )
+        return None, None
+    if stage == 3:
+        gpus_factor = 1 / nodes
+        largest = 4 * largest_layer_params
+        if offload == "params":
+            gpu, cpu = largest, k * 18 * gpus_factor * additional_buffer_factor
+        elif offload == "optimizer":
+            gpu, cpu = largest + int(2 * k / total_gpus), k * 16 * gpus_factor * additional_buffer_factor
+        else:
+            gpu = largest + int(18 * k / total_gpus)
+            cpu = largest_layer_params * 4 * gpus_per_node * additional_buffer_factor
+        return float(int(gpu)), float(int(cpu))
+    return None, None
+
+
+@dataclass(frozen=True)
+class ActivationParts:
+    """Bytes autograd saves for backward, per piece of a transformer (one micro batch, one rank).
+
+    Attributes:
+        layer: one block without recomputation.
+        attention: the part of ``layer`` saved inside the attention module (what ``selective`` drops).
+        block_input: what a checkpointed block keeps: its input hidden states.
+        head: the final norm, the float32 log-probabilities of the loss and the token ids.
+        rope: the rotary cos/sin tables, shared by every block (saved once, inside attention).
+        mask: eager attention's (b, 1, s, s) causal mask, saved once when a checkpoint receives it.
+        after_attention: the part of ``layer`` saved after attention (second norm, MLP): the backward pass
+            frees it before it recomputes that block's attention (``selective``).
+        input_reused: the part of ``layer`` that is the block input itself (fp32: RMSNorm's upcast is a
+            no-op), already held by the checkpoint when the block is recomputed.
+    """
+
+    layer: float
+    attention: float
+    block_input: float
+    head: float
+    rope: float = 0.0
+    mask: float = 0.0
+    after_attention: float = 0.0
+    input_reused: float = 0.0
+
+
+def activation_parts(
+    facts: ModelFacts, seq_len: int, micro_batch_size: int, precision: str = "bf16", attention: str = "sdpa"
+) -> ActivationParts | None:
+    """The saved-for-backward bytes of a transformer's pieces, or None if the facts are not a transformer's.
+
+    ``block == "llama"`` counts transformers' Llama code op by op (P = working bytes, s b tokens):
+    each RMSNorm keeps its float32 input (4 h), the normalised 16-bit copy and its output (2 x P h) and a
+    float32 reciprocal norm (4) per token; SDPA/FlashAttention keep q and the output (P h each), k and v
+    (P h_kv each, grouped-query heads not repeated) and a float32 log-sum-exp (4 a); eager keeps q, k, v
+    repeated to every head and the output copy (4 x P h) and the softmax over a s x s scores in float32
+    plus its P-byte copy (4 + P per score; 4 in fp32, where the copy is the same tensor); the gated MLP
+    keeps gate, up, activation and product (4 x P i). Rotary embedding multiplies by constant tables,
+    which autograd saves once for all blocks. Other transformers: Korthikanti et al. 2022, eq. 1,
+    ``s*b*h*(34 + 5*a*s/h)`` in 16-bit, with the score term only for eager (a float32 log-sum-exp else).
+    """
+    if facts.architecture != "transformer" or not (facts.hidden_size and facts.num_layers and facts.num_heads):
+        return None
+    if attention not in ATTENTIONS:
+        raise ConfigError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    eager = attention == "eager"
+    p = WORKING_BYTES[precision]
+    tokens, b, s = seq_len * micro_batch_size, micro_batch_size, seq_len
+    h, a = facts.hidden_size, facts.num_heads
+    vocab = facts.vocab_size or 0
+    scores = a * s * tokens  # a x s x s per sample
+    lse = FP32 * a * tokens
+    ids = 2 * INDEX_BYTES * tokens  # input ids (embedding) and shifted labels (loss)
+    if facts.block != "llama":
+        scale = p / 2  # the paper's counts are 16-bit
+        attention_part = (5 * scores if eager else lse) * scale + 11 * tokens * h * scale  # QKV, scores, dropout
+        layer = 34 * tokens * h * scale + (5 * scores * scale if eager else lse)
+        head = FP32 * tokens * vocab + 2 * tokens * h * scale + ids
+        return ActivationParts(layer, attention_part, p * tokens * h, head, after_attention=21 * tokens * h * scale)
+    h_kv = (facts.num_kv_heads or a) * (facts.head_dim or h // a)
+    inter = facts.intermediate_size or int(8 * h / 3)
+    norm = (FP32 + 2 * p) * tokens * h + FP32 * tokens
+    if eager:
+        softmax = FP32 + (p if p != FP32 else 0)
+        attention_part = 4 * p * tokens * h + softmax * scores
+    else:
+        attention_part = 2 * p * tokens * h + 2 * p * tokens * h_kv + lse
+    mlp = 4 * p * tokens * inter
+    head = norm + FP32 * tokens * vocab + ids
+    rope = 2 * p * s * (facts.head_dim or h // a)
+    mask = p * b * s * s if eager else 0.0
+    block_input = p * tokens * h
+    return ActivationParts(
+        layer=2 * norm + attention_part + mlp,
+        attention=attention_part,
+        block_input=block_input,
+        head=head,
+        rope=rope,
+        mask=mask,
+        after_attention=norm + mlp,
+        input_reused=block_input if p == FP32 else 0.0,
+    )
+
+
+def checkpointed_blocks(checkpointing: str, num_layers: int) -> list[bool]:
+    """Which of ``num_layers`` blocks a block-level preset recomputes, by common.activation's own selection."""
+    from common.activation import select_modules
+
+    blocks = [(str(i), None) for i in range(num_layers)]
+    chosen = {name for name, _ in select_modules(blocks, checkpointing)}  # type: ignore[arg-type]
+    return [name in chosen for name, _ in blocks]
+
+
+def transformer_activations(
+    facts: ModelFacts,
+    seq_len: int,
+    micro_batch_size: int,
+    checkpointing: str = "none",
+    precision: str = "bf16",
+    attention: str = "sdpa",
+) -> float | None:
+    """Peak bytes saved for backward per rank (no tensor or sequence parallelism), or None if not a transformer.
+
+    Without recomputation every block keeps :func:`activation_parts`' ``layer``. A checkpointed block
+    keeps its input, and during the backward pass the last checkpointed block is recomputed whole while
+    everything saved before it is still alive: the peak is the larger of the end of the forward pass
+    (with the loss's log-probabilities) and that moment (the loss's saved tensors are freed by then).
+    ``selective`` recomputes only attention. Which blocks a preset wraps comes from common.activation.
+    """
+    from common.activation import check_preset
+
+    check_preset(checkpointing)
+    parts = activation_parts(facts, seq_len, micro_batch_size, precision, attention)
+    if parts is None:
+        return None
+    n_layers = facts.num_layers or 0
+    token_ids = INDEX_BYTES * seq_len * micro_batch_size  # the embedding's ids, alive until the very end
+    if checkpointing == "selective":
+        kept = n_layers * (parts.layer - parts.attention) + parts.mask
+        # The last block's attention is recomputed once its MLP and second norm have been freed.
+        during_backward = kept - parts.after_attention + parts.attention + parts.rope + token_ids
+        return float(max(kept + parts.head, during_backward))
+    wrapped = checkpointed_blocks(checkpointing, n_layers)
+    kept = [parts.block_input if w else parts.layer for w in wrapped]
+    shared = (parts.rope if not all(wrapped) else 0.0) + (parts.mask if any(wrapped) else 0.0)
+    end_of_forward = sum(kept) + shared + parts.head
+    if not any(wrapped):
+        return float(end_of_forward)
+    last = max(i for i, w in enumerate(wrapped) if w)
+    recomputed = parts.layer - parts.input_reused
+    during_backward = sum(kept[: last + 1]) + recomputed + parts.rope + parts.mask + token_ids
+    return float(max(end_of_forward, during_backward))
+
+
+def buffer_bytes(
+    stage: int,
+    zero: dict[str, Any],
+    precision: str,
+    largest_layer_params: int | None,
+    bucket: int,
+    sharded_params: int = 0,
+) -> float:
+    """Communication buffers per rank for a preset's ``zero_optimization`` dict.
+
+    Stages 0-2: DeepSpeed documents ``overlap_comm`` as using 4.5 x the reduce and all-gather bucket
+    sizes; without it one bucket of each (an upper bound: bench/memory.py measures 1.2-3.4x what is
+    resident). Stage 3: the reduce bucket (``reduce_bucket_size`` elements, preallocated) plus the
+    gathered parameters: DeepSpeed keeps gathered parameters that it will reuse until
+    ``stage3_max_live_parameters`` (default 1e9) are live, so at the backward peak up to that many of the
+    ``sharded_params`` are whole (measured: bench/memory.py), at least the prefetch bucket or largest layer.
+    """
+    p = WORKING_BYTES[precision]
+    reduce = float(zero.get("reduce_bucket_size", bucket))
+    if stage == 3:
+        prefetch = zero.get("stage3_prefetch_bucket_size", int(0.9 * bucket))
+        prefetch = float(int(0.9 * bucket) if not isinstance(prefetch, int | float) else prefetch)
+        live = min(float(sharded_params), float(zero.get("stage3_max_live_parameters", DS_MAX_LIVE_PARAMETERS)))
+        return p * (reduce + max(live, prefetch, float(largest_layer_params or 0)))
+    allgather = 0.0 if stage == 0 else float(zero.get("allgather_bucket_size", bucket))
+    factor = 4.5 if zero.get("overlap_comm") else 1.0
+    return p * factor * (reduce + allgather)
+
+
+def local_device_memory(ranks_per_node: int = 1) -> tuple[float, str]:
+    """(bytes, label): the first GPU's total memory, or on a CPU the host RAM shared by ``ranks_per_node``."""
+    import psutil
+    import torch
+
+    if torch.cuda.is_available():
+        _, total = torch.cuda.mem_get_info(0)
+        return float(total), f"local GPU: {torch.cuda.get_device_name(0)}"
+    total = float(psutil.virtual_memory().total)
+    share = max(1, ranks_per_node)
+    return total / share, f"no GPU: host RAM {fmt_gb(total)} / {share} process(es)"
+
+
+def host_memory() -> float:
+    """Total host RAM of this machine in bytes."""
+    import psutil
+
+    return float(psutil.virtual_memory().total)
+
+
