@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc_per_node 1 bench/_gpu_worker.py --variant '{"name": ...}' --out OUT.json
 
-Uses the recipe's own setup functions (recipes/nlp/recipe_config.py): the config file and overrides, the
+Uses the recipe's own setup functions (recipes/nlp/pretraining.py): the config file and overrides, the
 model built by ``build_model`` (activation checkpointing applied the recipe's way), the DeepSpeed dict
 from ``resolve_ds_config`` and the loss ``lm_loss``; tokens are random (throughput does not depend on them).
 """
@@ -20,14 +20,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes" / "nlp"))
 
-from recipe_config import (  # noqa: E402
-    NLPConfig,
-    build_model,
-    hidden_size,
-    lm_loss,
-    model_config,
-    resolve_ds_config,
-)
+from nlp_config import NLPConfig  # noqa: E402
+from pretraining import build_model, hidden_size, lm_loss, model_config, resolve_ds_config  # noqa: E402
 
 from common.config import load_config  # noqa: E402
 from common.metrics import gpu_peak_flops, median, mfu, peak_memory_bytes  # noqa: E402

@@ -73,13 +73,16 @@ def intervals(ends: list[float]) -> list[float]:
 
 
 class StepClock:
-    """Wall and CPU times at the ends of optimizer steps; starts cProfile on rank 0 after warm-up when asked to."""
+    """Wall and CPU times at the ends of optimizer steps; starts cProfile (or torch.profiler, per op) on rank 0
+    after warm-up when asked to."""
 
-    def __init__(self, profile_path: str | None, is_rank0: bool) -> None:
+    def __init__(self, profile_path: str | None, is_rank0: bool, op_profile_path: str | None = None) -> None:
         self.ends = [clocks()]
         # Timed by this thread's CPU time, like the verdict: load from other work does not move it.
         self.profiler = cProfile.Profile(time.thread_time) if profile_path and is_rank0 else None
         self.profile_path = profile_path
+        self.op_profile_path = op_profile_path if is_rank0 else None
+        self.op_profiler = None
 
     def restart(self) -> None:
         """The loop starts now (Lightning: after its own set-up, which is not a step)."""
@@ -89,12 +92,23 @@ class StepClock:
         self.ends.append(clocks())
         if self.profiler is not None and len(self.ends) == PROFILE_AFTER + 1:
             self.profiler.enable()
+        if self.op_profile_path and len(self.ends) == PROFILE_AFTER + 1:
+            self.op_profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.op_profiler.__enter__()
 
     def finish(self) -> dict[str, list[float]]:
         """Per-step seconds: ``wall``, ``cpu`` (process_time) and ``thread_cpu`` (thread_time)."""
         if self.profiler is not None:
             self.profiler.disable()
             self.profiler.dump_stats(self.profile_path)
+        if self.op_profiler is not None:
+            self.op_profiler.__exit__(None, None, None)
+            steps = len(self.ends) - 1 - PROFILE_AFTER
+            ops = {
+                e.key: {"count": e.count / steps, "self_cpu_us": e.self_cpu_time_total / steps}
+                for e in self.op_profiler.key_averages()
+            }
+            Path(self.op_profile_path).write_text(json.dumps(ops, indent=1, sort_keys=True))
         wall, cpu, thread = zip(*self.ends)
         return {"wall": intervals(list(wall)), "cpu": intervals(list(cpu)), "thread_cpu": intervals(list(thread))}
 
@@ -126,7 +140,7 @@ def run_raw(args, ds_config) -> tuple[dict[str, list[float]], list[dict]]:
     optimizer = make_optimizer(model.parameters(), ds_config, lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     scheduler = constant_lr(optimizer)
-    clock = StepClock(args.profile, rank == 0)
+    clock = StepClock(args.profile, rank == 0, args.op_profile)
     for (ids,) in loader_for(rank, world, args.steps):
         loss = lm_loss(engine, ids)
         engine.backward(loss)
@@ -147,7 +161,7 @@ def run_accelerate(args, ds_config) -> tuple[dict[str, list[float]], list[dict]]
     optimizer = make_optimizer(model.parameters(), ds_config, lr=1e-3)
     scheduler = constant_lr(optimizer)  # not prepared, as in the recipes (a prepared one steps once per process)
     engine, optimizer = accelerator.prepare(model, optimizer)
-    clock = StepClock(args.profile, accelerator.is_main_process)
+    clock = StepClock(args.profile, accelerator.is_main_process, args.op_profile)
     for (ids,) in loader_for(accelerator.process_index, accelerator.num_processes, args.steps):
         with accelerator.accumulate(engine):
             loss = lm_loss(engine, ids)
@@ -166,7 +180,7 @@ def run_lightning(args, ds_config) -> tuple[dict[str, list[float]], list[dict]]:
     from common.strategy import lightning_trainer_kwargs
 
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    clock = StepClock(args.profile, rank == 0)
+    clock = StepClock(args.profile, rank == 0, args.op_profile)
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -208,6 +222,7 @@ def main() -> None:
     parser.add_argument("--preset", default="nlp")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--profile", default=None, help="write a cProfile of rank 0's timed steps here")
+    parser.add_argument("--op-profile", default=None, help="write rank 0's torch ops per step (count, self CPU) here")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -12,7 +12,8 @@ DeepSpeed engine *does* hold, so a test can compare the two. Every tensor storag
 - ``grads``: gradient tensors that are alive (after ``step()`` ZeRO frees most of them);
 - ``buffers``: every other tensor the ZeRO optimizer keeps (flat 16-bit groups, reduce buckets, ...).
 
-:func:`predicted_model_state_bytes` gives the guide's formula for the same quantities, per precision.
+:func:`common.memory_formulas.predicted_model_state_bytes` gives the guide's formula for the same quantities, per
+precision (imported here as well).
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from typing import Any
 
 import torch
 
-# Bytes per element of the working copy of parameters and gradients.
-WORKING_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-# Adam in DeepSpeed: fp32 master copy + exp_avg + exp_avg_sq = 12 bytes per parameter.
-ADAM_STATE_BYTES = 12
+# The guide's formula lives with the other memory formulas (torch-free, for the planner); it is named here too
+# because what this module counts is compared with it.
+from common.memory_formulas import predicted_model_state_bytes  # noqa: F401
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -139,39 +139,3 @@ def model_state_bytes(engine: Any) -> dict[str, int]:
     totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer"]
     totals["total"] = totals["model_states"] + totals["buffers"]
     return totals
-
-
-def predicted_model_state_bytes(
-    num_params: int,
-    stage: int,
-    world_size: int,
-    precision: str = "bf16",
-    grads_alive: bool = False,
-    persistent_params: int = 0,
-) -> dict[str, float]:
-    """The guide's per-rank model-state bytes (guide 1, 2.2), generalised to the precision.
-
-    With P the working bytes per element (2 for bf16/fp16, 4 for fp32), K parameters and N ranks:
-    stage 0 holds P*K params + P*K grads + 12K optimizer; stage 1 shards the optimizer (12K/N);
-    stage 2 also the gradients (P*K/N); stage 3 also the parameters (P*K/N). For bf16 this is the
-    guide's 16K / 4K + 12K/N / 2K + 14K/N / 16K/N.
-
-    Args:
-        num_params: K.
-        stage: ZeRO stage 0-3.
-        world_size: N.
-        precision: ``bf16``, ``fp16`` or ``fp32``.
-        grads_alive: count gradients (True during backward; after ``step()`` ZeRO has released them).
-        persistent_params: stage-3 parameters kept whole on every rank (under the persistence threshold).
-    """
-    p = WORKING_BYTES[precision]
-    k, n = float(num_params), float(world_size)
-    sharded = k - persistent_params
-    params = p * k if stage < 3 else p * (sharded / n + persistent_params)
-    grads = 0.0
-    if grads_alive:
-        grads = p * k if stage < 2 else p * k / n
-    # In fp32 at stage 0 the parameters are their own master copy: Adam adds only m and v (8 B).
-    state_bytes = 8 if (precision == "fp32" and stage == 0) else ADAM_STATE_BYTES
-    optimizer = state_bytes * k if stage == 0 else state_bytes * k / n
-    return {"params": params, "grads": grads, "optimizer": optimizer, "model_states": params + grads + optimizer}

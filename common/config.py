@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from common.errors import ConfigError, nearest
+from common.errors import MISSING_INPUT_EXIT_CODE, ConfigError, InputMissing, nearest
 
 T = TypeVar("T")
 
@@ -262,8 +262,12 @@ def parse_recipe_args(
     if args.describe:
         if describe is None:
             raise ConfigError(f"{Path(sys.argv[0]).name} has no --describe")
-        with contextlib.redirect_stdout(sys.stderr):
-            description = describe(loaded).to_json()
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                description = describe(loaded).to_json()
+        except InputMissing as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(MISSING_INPUT_EXIT_CODE)
         print(json.dumps(description))
         sys.exit(0)
     return loaded

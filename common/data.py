@@ -28,6 +28,9 @@ class StepSampler(torch.utils.data.Sampler[int]):
         seed: permutation seed.
         start_step: first optimizer step to produce (0 for a new run).
         max_steps: last optimizer step (exclusive).
+        full_length: report the whole run's length even when starting at a later step. Lightning counts the
+            batches of a resumed epoch from the checkpoint's count, so its loader must claim the full length;
+            Accelerate's loop takes the remaining length (the default).
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class StepSampler(torch.utils.data.Sampler[int]):
         seed: int,
         start_step: int,
         max_steps: int,
+        full_length: bool = False,
     ) -> None:
         if num_samples < micro_batch_size * world_size:
             raise ValueError(
@@ -54,13 +58,15 @@ class StepSampler(torch.utils.data.Sampler[int]):
         self.seed = seed
         self.start_step = start_step
         self.max_steps = max_steps
+        self.full_length = full_length
 
     @property
     def global_micro_batch(self) -> int:
         return self.micro_batch_size * self.world_size
 
     def __len__(self) -> int:
-        return max(0, self.max_steps - self.start_step) * self.grad_accum * self.micro_batch_size
+        steps = self.max_steps if self.full_length else max(0, self.max_steps - self.start_step)
+        return steps * self.grad_accum * self.micro_batch_size
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)

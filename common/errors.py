@@ -15,10 +15,17 @@ from typing import Any, TypeVar
 F = TypeVar("F", bound=Callable[..., Any])
 
 USAGE_EXIT_CODE = 2
+# ``--describe`` of a run whose model or data is not there yet (the config itself may be fine): the tools that
+# need only the config (lint) go on without the model's facts.
+MISSING_INPUT_EXIT_CODE = 3
 
 
 class ConfigError(ValueError):
     """Bad user input: unknown preset or key, wrong type, incompatible combination, missing data."""
+
+
+class InputMissing(ConfigError):
+    """A file the run reads (a base model, a dataset) does not exist yet; the config may still be valid."""
 
 
 def nearest(word: str, choices: Iterable[str]) -> str:

@@ -37,6 +37,7 @@ except ImportError:  # older transformers: RoPE buffers follow the training dtyp
     prevent_arange_dtype_change = contextlib.nullcontext
 
 from common.errors import ConfigError
+from common.hang import report_failure
 from common.resume import param_groups_kept
 
 # The Lightning versions this subclass is tested against (CI runs 2.6.x). The private methods it overrides
@@ -130,6 +131,12 @@ class ZeroDeepSpeedStrategy(DeepSpeedStrategy):
         # position 256). transformers' shield for arange must be entered before Lightning's zero.Init.
         with prevent_arange_dtype_change(), super().model_sharded_context(), _refuse_unsharded_hf_init():
             yield
+
+    def on_exception(self, exception: BaseException) -> None:
+        # Before Lightning's teardown: a rank whose collective failed writes its hang report and stops the others
+        # (common.hang); teardown itself may wait on the broken process group.
+        report_failure(exception)
+        super().on_exception(exception)
 
     def teardown(self) -> None:
         # After the run a rank may load a model on its own (an export check): it must not partition then.

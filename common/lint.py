@@ -22,7 +22,6 @@ Every recipe lints its resolved config at start (docs/tools.md)::
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,9 +31,6 @@ from common.errors import ConfigError
 
 SEVERITIES = ("error", "warning", "info")
 
-# `zero-recipes lint` resolves a recipe YAML through the recipe's own resolve_ds_config, which lints at start: the
-# command reports those findings itself, once and by rule, so the recipe's start-up check neither prints nor refuses.
-_LINTING_A_FILE: contextvars.ContextVar[bool] = contextvars.ContextVar("linting_a_file", default=False)
 SOURCE_KINDS = ("recipe", "deepspeed", "accelerate", "run")
 BACKENDS = ("lightning", "accelerate", "hf_trainer")
 
@@ -118,6 +114,8 @@ class LintView:
         model: :class:`common.memory_formulas.ModelFacts` for the activation estimate, or None.
         accelerate_config: the accelerate YAML, for accelerate sources.
         path: the file linted, for messages.
+        accelerator: ``cuda`` or ``cpu``: what the run has (a recipe linting itself); None when the config may be
+            for another machine (a file), so that GPU-only features are reported as info, not as errors.
     """
 
     ds_config: dict[str, Any] | None
@@ -135,6 +133,7 @@ class LintView:
     model: Any = None
     accelerate_config: dict[str, Any] | None = None
     path: str | None = None
+    accelerator: str | None = None
 
     # --- small readers the rules share ---
 
@@ -833,6 +832,238 @@ def rule_accelerate_precision(view: LintView) -> list[Finding]:
     ]
 
 
+# --- NVMe offload (ZeRO-Infinity), ZeRO++ and the newer offload engines (issue 17) ----------------------------
+
+
+def rule_nvme_offload_stage_1_2(view: LintView) -> list[Finding]:
+    """DeepSpeed 0.19's stage 1/2 optimizer treats ``offload_optimizer.device: nvme`` as CPU offload."""
+    if view.offload_device("offload_optimizer") != "nvme" or view.stage not in (1, 2):
+        return []
+    return [
+        Finding(
+            "nvme-offload-stage-1-2",
+            "warning",
+            f"offload_optimizer.device is nvme under ZeRO stage {view.stage}: DeepSpeed 0.19's stage 1/2 optimizer "
+            "treats it as cpu, so the optimizer states stay in host RAM and nothing is written to nvme_path "
+            "(measured: tests/distributed/test_nvme_offload.py)",
+            "use stage 3 to swap to disk (preset deepspeed_stage_3_offload_nvme), or device: cpu to say what runs",
+        )
+    ]
+
+
+def _swap_threshold_bytes(view: LintView) -> int:
+    from common.memory_formulas import MIN_SWAPPED_BYTES
+
+    aio = (view.ds_config or {}).get("aio")
+    block = _number(aio.get("block_size")) if isinstance(aio, dict) else None
+    return int(max(MIN_SWAPPED_BYTES, block or 0))
+
+
+def rule_nvme_small_partitions(view: LintView) -> list[Finding]:
+    """DeepSpeed swaps a parameter partition only when it has at least max(1 MiB, aio.block_size) bytes."""
+    if view.offload_device("offload_param") != "nvme" or view.model is None or not view.model.param_numels:
+        return []
+    from common.memory_formulas import WORKING_BYTES
+
+    bytes_per = WORKING_BYTES.get(view.precision, 2)
+    threshold = _swap_threshold_bytes(view)
+    ranks = max(1, view.world_size)
+    swapped = sum(n for n in view.model.param_numels if -(-n // ranks) * bytes_per >= threshold)
+    if swapped:
+        return []
+    return [
+        Finding(
+            "nvme-small-partitions",
+            "warning",
+            f"offload_param.device is nvme but no parameter's partition reaches {threshold / 2**20:g} MiB "
+            f"({ranks} rank(s), {view.precision}): DeepSpeed swaps only partitions of at least max(1 MiB, "
+            "aio.block_size), so every parameter silently stays in host RAM",
+            "offload to cpu instead (deepspeed_stage_3_offload), or lower aio.block_size to 1 MiB; NVMe pays off "
+            "for models whose matrices are large",
+        )
+    ]
+
+
+def rule_nvme_param_buffer(view: LintView) -> list[Finding]:
+    """``offload_param.buffer_size`` must hold the largest parameter partition (DeepSpeed asserts otherwise)."""
+    if view.offload_device("offload_param") != "nvme" or view.model is None or not view.model.param_numels:
+        return []
+    buffer = _number(view.zero["offload_param"].get("buffer_size", 100_000_000))
+    largest = -(-max(view.model.param_numels) // max(1, view.world_size))
+    if buffer is None or largest <= buffer:
+        return []
+    return [
+        Finding(
+            "nvme-param-buffer",
+            "error",
+            f"offload_param.buffer_size {buffer:.3g} elements is smaller than the largest parameter partition "
+            f"({largest:,} elements on {view.world_size} rank(s)): DeepSpeed stops with 'More elements ... than "
+            "buffer size' when it swaps that parameter in",
+            f"set zero_optimization.offload_param.buffer_size to at least {largest}",
+        )
+    ]
+
+
+def rule_aio_keys(view: LintView) -> list[Finding]:
+    """The ``aio`` section: DeepSpeed 0.19 reads six keys and ignores any other without a word."""
+    from common.strategy import AIO_KEYS, AIO_OLD_NAMES
+
+    aio = (view.ds_config or {}).get("aio")
+    if not isinstance(aio, dict):
+        return []
+    unknown = [k for k in aio if k not in AIO_KEYS]
+    if not unknown:
+        return []
+    renamed = [f"{k} (now {AIO_OLD_NAMES[k]})" for k in unknown if k in AIO_OLD_NAMES]
+    return [
+        Finding(
+            "aio-keys",
+            "warning",
+            f"aio keys DeepSpeed 0.19 does not read: {', '.join(unknown)}"
+            + (f"; renamed: {', '.join(renamed)}" if renamed else "")
+            + ": the settings are silently ignored",
+            f"use {', '.join(AIO_KEYS)}; measure the disk with bench/nvme_io.py to choose values",
+        )
+    ]
+
+
+def rule_zeropp_quantized_needs_gpu(view: LintView) -> list[Finding]:
+    """ZeRO++'s qwZ and qgZ run DeepSpeed's CUDA quantizer kernels."""
+    quantized = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if view.zero.get(k) is True]
+    if not quantized or view.accelerator == "cuda":
+        return []
+    on_cpu = view.accelerator == "cpu"
+    return [
+        Finding(
+            "zeropp-quantized-needs-gpu",
+            "error" if on_cpu else "info",
+            f"{' and '.join(quantized)} need DeepSpeed's CUDA quantizer kernels"
+            + (": this run has no GPU, and" if on_cpu else ";")
+            + " on a CPU the first quantized collective fails ('This op had not been implemented on CPU backend')",
+            "on a CPU set them false (hpZ, zero_hpz_partition_size, runs on a CPU: "
+            "--set zero_optimization.zero_quantized_weights=false --set zero_optimization.zero_quantized_gradients="
+            "false); on GPUs keep them",
+        )
+    ]
+
+
+def rule_hpz_partition(view: LintView) -> list[Finding]:
+    """ZeRO++'s hpZ: a secondary weight partition over groups of ``zero_hpz_partition_size`` ranks (a node)."""
+    hpz = _number(view.zero.get("zero_hpz_partition_size", 1))
+    if hpz is None or hpz <= 1:
+        return []
+    if view.stage != 3:
+        return [
+            Finding(
+                "hpz-partition",
+                "warning",
+                f"zero_hpz_partition_size {hpz:g} under ZeRO stage {view.stage}: hpZ partitions stage 3's weights, "
+                "other stages ignore it",
+                "use stage 3 (preset deepspeed_stage_3_zeropp) or drop the key",
+            )
+        ]
+    world = max(1, view.world_size)
+    if world % hpz:
+        return [
+            Finding(
+                "hpz-partition",
+                "error",
+                f"zero_hpz_partition_size {hpz:g} does not divide the {world} ranks: DeepSpeed cannot form the groups",
+                "set it to the devices per node (the factory does: RunFacts(devices_per_node=...))",
+            )
+        ]
+    if hpz >= world:
+        return [
+            Finding(
+                "hpz-partition",
+                "warning",
+                f"zero_hpz_partition_size {hpz:g} with {world} ranks: the secondary partition spans every rank, so it "
+                "duplicates the primary one (16-bit weights / N more memory) and keeps no traffic off the network",
+                "on one node leave hpZ off (1); on several, set it to the devices per node",
+            )
+        ]
+    return []
+
+
+def rule_zenflow(view: LintView) -> list[Finding]:
+    """ZenFlow (DeepSpeed 0.18+): stall-free ZeRO-Offload; DeepSpeed refuses its combinations late, at initialize."""
+    zenflow = view.zero.get("zenflow")
+    if not isinstance(zenflow, dict):
+        return []
+    problems = []
+    if view.offload_device("offload_optimizer") != "cpu":
+        problems.append(
+            "it extends ZeRO-Offload: offload_optimizer.device must be cpu ('Zenflow must be used with cpu offload')"
+        )
+    strategy, select = zenflow.get("select_strategy", "auto"), zenflow.get("select_interval", "auto")
+    if strategy == "auto" and isinstance(select, int):
+        problems.append("select_strategy auto overwrites select_interval (DeepSpeed raises instead of warning)")
+    if strategy != "auto" and isinstance(select, str):
+        problems.append(f"select_strategy {strategy!r} needs a number for select_interval")
+    update = zenflow.get("update_interval", "auto")
+    if isinstance(select, int) and isinstance(update, int) and select < update:
+        problems.append(f"select_interval {select} is below update_interval {update}")
+    if zenflow.get("offload") and not view.zero.get("overlap_comm"):
+        problems.append("zenflow.offload needs overlap_comm true")
+    if not problems:
+        return [
+            Finding(
+                "zenflow",
+                "info",
+                "ZenFlow updates the top-k gradient columns on the device each step and the rest on the CPU every "
+                "update_interval steps, so the GPU does not wait for CPU Adam (DeepSpeed's ZenFlow tutorial)",
+                "compare step time and loss with and without it (bench/gpu.sh on a GPU)",
+            )
+        ]
+    return [
+        Finding(
+            "zenflow",
+            "error",
+            "zero_optimization.zenflow: " + "; ".join(problems),
+            "use offload_optimizer: {device: cpu} with select_strategy auto (see DeepSpeed's ZenFlow tutorial)",
+        )
+    ]
+
+
+def rule_bf16_optimizer_states(view: LintView) -> list[Finding]:
+    """``bf16.bf16_optimizer_states`` / ``bf16_master_weights_and_grads`` (DeepSpeed 0.19): what DeepSpeed requires."""
+    section = (view.ds_config or {}).get("bf16")
+    if not isinstance(section, dict):
+        return []
+    states, master = section.get("bf16_optimizer_states") is True, section.get("bf16_master_weights_and_grads") is True
+    if not (states or master):
+        return []
+    problems = []
+    if not section.get("enabled"):
+        problems.append("bf16 is not enabled")
+    if view.stage == 0:
+        problems.append("they need ZeRO stage 1, 2 or 3")
+    if states and not master:
+        problems.append("bf16_optimizer_states needs bf16_master_weights_and_grads")
+    if master and not states and view.offload_device("offload_optimizer") == "none":
+        problems.append("bf16 master weights with fp32 optimizer states need ZeRO-Offload (offload_optimizer cpu)")
+    if problems:
+        return [
+            Finding(
+                "bf16-optimizer-states",
+                "error",
+                "bf16 master weights / optimizer states: " + "; ".join(problems) + " (DeepSpeed asserts at initialize)",
+                "set bf16.enabled, bf16_master_weights_and_grads and bf16_optimizer_states together at stage 1-3",
+            )
+        ]
+    kept = "6 B" if states else "4 + 8 B"
+    return [
+        Finding(
+            "bf16-optimizer-states",
+            "info",
+            f"bf16 master weights{' and Adam moments' if states else ''}: about {kept} of optimizer state per "
+            "parameter instead of 12 B, at the cost of bf16 rounding in the update (compare the loss with fp32 states)",
+            "keep it when memory decides; common.strategy.make_optimizer builds DeepSpeedCPUAdam with bf16 moments "
+            "under offload",
+        )
+    ]
+
+
 RULES: dict[str, Rule] = {
     "lightning-16-mixed": rule_lightning_16_mixed,
     "grad-accum-in-lightning-dict": rule_grad_accum_in_lightning_dict,
@@ -860,6 +1091,14 @@ RULES: dict[str, Rule] = {
     "torch-zero-memory-leak": rule_torch_zero_leak,
     "deepspeed-0.6-zero3-sync": rule_deepspeed_06_zero3,
     "nccl-version": rule_nccl_version,
+    "nvme-offload-stage-1-2": rule_nvme_offload_stage_1_2,
+    "nvme-small-partitions": rule_nvme_small_partitions,
+    "nvme-param-buffer": rule_nvme_param_buffer,
+    "aio-keys": rule_aio_keys,
+    "zeropp-quantized-needs-gpu": rule_zeropp_quantized_needs_gpu,
+    "hpz-partition": rule_hpz_partition,
+    "zenflow": rule_zenflow,
+    "bf16-optimizer-states": rule_bf16_optimizer_states,
 }
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -920,6 +1159,13 @@ def _local_memory(ranks_per_node: int) -> tuple[float, str] | None:
         return None
 
 
+def _local_accelerator() -> str:
+    """``cuda`` when this machine has a GPU PyTorch can use, else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _world_from_ds(ds_config: dict[str, Any]) -> int:
     total, micro, accum = (
         ds_config.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -939,6 +1185,7 @@ def lint_run(
     world_size: int | None = None,
     ranks_per_node: int | None = None,
     versions: dict[str, str] | None = None,
+    accelerator: str | None = None,
 ) -> list[Finding]:
     """Lint a run as a recipe is about to start it: its resolved DeepSpeed dict and its config as a dict.
 
@@ -952,6 +1199,7 @@ def lint_run(
         world_size: data-parallel ranks (default: from the batch sizes in ``ds_config``).
         ranks_per_node: processes per node (default: ``world_size``).
         versions: installed versions (default: :func:`installed_versions`).
+        accelerator: ``cuda`` or ``cpu`` (default: what this machine has: the run is here).
 
     Returns:
         Findings, errors first. Print them with :func:`print_findings`.
@@ -969,6 +1217,7 @@ def lint_run(
         ranks_per_node=ranks_per_node or world,
         host_ram_bytes=_available_host_ram(),
         local_memory=_local_memory(ranks_per_node or world),
+        accelerator=accelerator or _local_accelerator(),
     )
     return run_rules(view)
 
@@ -1008,8 +1257,6 @@ def lint_at_start(
     from common.rundir import is_launcher_rank_zero
 
     findings = lint_run(ds_config, recipe_config, hidden_size=hidden_size, world_size=world_size)
-    if _LINTING_A_FILE.get():
-        return findings
     if is_launcher_rank_zero():
         print_findings(findings)
     if has_errors(findings):

@@ -7,16 +7,18 @@ rules (:mod:`common.lint`) check configs with them, and a recipe's ``--describe`
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
+from common.errors import ConfigError, nearest
 
-# Bytes per element of the working (16/32-bit) copy; the same table as common.accounting.WORKING_BYTES,
-# repeated so that the CLI does not import torch just to build its parser.
+# Bytes per element of the working (16/32-bit) copy of parameters and gradients.
 WORKING_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Adam in DeepSpeed: fp32 master copy + exp_avg + exp_avg_sq = 12 bytes per parameter.
+ADAM_STATE_BYTES = 12
 
 GB = 1e9  # the guides' GB (112 GB = 7e9 x 16 B)
 GIB = 2**30
@@ -30,7 +32,7 @@ DS_MAX_LIVE_PARAMETERS = 1e9
 # DeepSpeed's default for the estimators' "additional_buffer_factor".
 DS_ADDITIONAL_BUFFER_FACTOR = 1.5
 
-OFFLOADS = ("none", "optimizer", "params")
+OFFLOADS = ("none", "optimizer", "params", "nvme")  # nvme: stage 3, parameters and optimizer on disk
 
 # When only a parameter count is given, assume a Llama-like shape: hidden / layers = 128 (Llama-2 7B
 # and 13B), head size 128, vocabulary 32000, MLP 8/3 x hidden.
@@ -286,8 +288,6 @@ def guide_model_states(
     parameter under ``persistence_threshold``: DeepSpeed keeps it whole on every rank as well as its
     partition, which the guide's 16K/N already counts.
     """
-    from common.accounting import predicted_model_state_bytes
-
     if lora_rank:
         trainable = lora_params(facts, lora_rank)
         frozen = facts.num_params
@@ -301,13 +301,52 @@ def guide_model_states(
     sharded = stage == 3 and world_size > 1
     whole_copies = WORKING_BYTES[precision] * persistent_params(facts, persistence_threshold) if sharded else 0
     device, host = parts["params"] + parts["grads"] + parts["optimizer"] + whole_copies, 0.0
-    if offload in ("optimizer", "params"):
+    if offload in ("optimizer", "params", "nvme"):  # nvme: the off-device bytes are on disk, not in host RAM
         device -= parts["optimizer"]
         host += parts["optimizer"]
-    if offload == "params":
+    if offload in ("params", "nvme"):
         device -= parts["params"] + parts["grads"]
         host += parts["params"] + parts["grads"]
     return device, host
+
+
+def predicted_model_state_bytes(
+    num_params: int,
+    stage: int,
+    world_size: int,
+    precision: str = "bf16",
+    grads_alive: bool = False,
+    persistent_params: int = 0,
+) -> dict[str, float]:
+    """The guide's per-rank model-state bytes (guide 1, 2.2), generalised to the precision.
+
+    With P the working bytes per element (2 for bf16/fp16, 4 for fp32), K parameters and N ranks:
+    stage 0 holds P*K params + P*K grads + 12K optimizer; stage 1 shards the optimizer (12K/N);
+    stage 2 also the gradients (P*K/N); stage 3 also the parameters (P*K/N). For bf16 this is the
+    guide's 16K / 4K + 12K/N / 2K + 14K/N / 16K/N.
+
+    Args:
+        num_params: K.
+        stage: ZeRO stage 0-3.
+        world_size: N.
+        precision: ``bf16``, ``fp16`` or ``fp32``.
+        grads_alive: count gradients (True during backward; after ``step()`` ZeRO has released them).
+        persistent_params: stage-3 parameter elements kept whole on every rank (under the persistence threshold),
+            besides their partition.
+    """
+    p = WORKING_BYTES[precision]
+    k, n = float(num_params), float(world_size)
+    # DeepSpeed partitions every parameter, persistent ones included, and keeps the persistent ones whole
+    # besides (measured to the byte by bench/memory.py); on one rank the partition is the whole tensor.
+    whole_copies = persistent_params if n > 1 else 0
+    params = p * k if stage < 3 else p * (k / n + whole_copies)
+    grads = 0.0
+    if grads_alive:
+        grads = p * k if stage < 2 else p * k / n
+    # In fp32 at stage 0 the parameters are their own master copy: Adam adds only m and v (8 B).
+    state_bytes = 8 if (precision == "fp32" and stage == 0) else ADAM_STATE_BYTES
+    optimizer = state_bytes * k if stage == 0 else state_bytes * k / n
+    return {"params": params, "grads": grads, "optimizer": optimizer, "model_states": params + grads + optimizer}
 
 
 def deepspeed_estimate(
@@ -533,3 +572,117 @@ def host_memory() -> float:
     return float(psutil.virtual_memory().total)
 
 
+# --- offload tiers: bytes moved per optimizer step and the time they take ---------------------------------
+
+# DeepSpeed swaps a tensor to NVMe only when it has at least this many bytes (MIN_AIO_BYTES, 1 MiB; or
+# aio.block_size when larger): smaller partitions stay in host RAM.
+MIN_SWAPPED_BYTES = 2**20
+
+# Guide 1 (3.2): bandwidth of each tier in GB/s (1e9 bytes/s), as (low, high) of the guide's range.
+GUIDE_BANDWIDTH_GBPS: dict[str, tuple[float, float]] = {
+    "hbm": (1000.0, 2000.0),
+    "dram": (50.0, 100.0),
+    "pcie": (16.0, 32.0),
+    "nvme": (2.0, 4.0),
+}
+LINKS = tuple(GUIDE_BANDWIDTH_GBPS)
+# Links the ranks of a node share, so that their bytes add up: host memory and the node's NVMe drives. Each
+# device has a PCIe link (and HBM) of its own.
+NODE_SHARED_LINKS = ("dram", "nvme")
+FP32_MASTER_AND_MOMENTS = 12  # bytes per parameter: Adam's fp32 master copy, m and v
+
+
+def nvme_swapped_bytes_per_rank(
+    num_params: int, world_size: int, precision: str, params_on_nvme: bool, optimizer_on_nvme: bool
+) -> float:
+    """Bytes one rank's swap files hold under stage-3 NVMe offload (ZeRO-Infinity), before alignment padding.
+
+    Parameters: the rank's 16-bit (fp32: 4-byte) partition. Optimizer: the fp32 master copy, m and v (12 B) and
+    the fp32 gradients DeepSpeed swaps out during the backward pass (4 B), of the rank's partition. Stages 1-2
+    never swap (DeepSpeed 0.19 treats their ``device: nvme`` as CPU offload).
+    """
+    partition = math.ceil(num_params / world_size)
+    total = 0.0
+    if params_on_nvme:
+        total += WORKING_BYTES[precision] * partition
+    if optimizer_on_nvme:
+        total += (FP32_MASTER_AND_MOMENTS + FP32) * partition
+    return total
+
+
+def offload_traffic(
+    num_params: int, stage: int, offload: str, world_size: int, precision: str = "bf16", grad_accum: int = 1
+) -> dict[str, dict[str, float]]:
+    """Bytes one optimizer step moves per rank across each offload link, term by term: ``{link: {what: bytes}}``.
+
+    k = the rank's partition (K/N elements; stage 0 has no offload), P = working bytes, A = micro-batches per
+    optimizer step. ``offload``:
+
+    - ``optimizer`` (ZeRO-Offload): PCIe carries the gradient partition to host RAM every micro-batch (A P k)
+      and the updated 16-bit parameters back (P k); host RAM serves DeepSpeedCPUAdam, which reads the fp32
+      master, m, v and gradient (16 k) and writes master, m, v and the 16-bit copy ((12 + P) k), plus the
+      gradients landing in fp32 (4 A k).
+    - ``params`` (stage 3): also the parameter partition fetched to the device before each all-gather, in the
+      forward and the backward pass (2 A P k over PCIe, read from host RAM).
+    - ``nvme`` (stage 3, ZeRO-Infinity, ``max_in_cpu: 0``): PCIe and host RAM as ``params``; the node's NVMe
+      reads the parameters for each fetch (2 A P k), the master, m and v (12 k) and the fp32 gradients (4 k),
+      and writes the updated parameters (P k), master, m and v (12 k) and the gradients (4 A k).
+
+    An upper estimate of the unavoidable traffic: caching and prefetch can save re-reads, nothing here is
+    counted twice. ``none`` moves nothing over these links (HBM traffic is not an offload cost).
+    """
+    if offload not in ("optimizer", "params", "nvme") or stage == 0:
+        return {}
+    if offload in ("params", "nvme") and stage != 3:
+        raise ConfigError(f"{offload} offload needs ZeRO stage 3, got stage {stage}")
+    k = math.ceil(num_params / world_size)
+    p, a = WORKING_BYTES[precision], grad_accum
+    pcie = {"gradients to host": a * p * k, "updated parameters back": p * k}
+    dram = {
+        "CPU Adam reads master, m, v, gradients": (FP32_MASTER_AND_MOMENTS + FP32) * k,
+        "CPU Adam writes master, m, v, 16-bit copy": (FP32_MASTER_AND_MOMENTS + p) * k,
+        "gradients land in fp32": FP32 * a * k,
+    }
+    traffic: dict[str, dict[str, float]] = {"pcie": pcie, "dram": dram}
+    if offload in ("params", "nvme"):
+        pcie["parameter fetches, forward and backward"] = 2 * a * p * k
+        dram["parameter fetches, forward and backward"] = 2 * a * p * k
+    if offload == "nvme":
+        traffic["nvme"] = {
+            "parameter reads, forward and backward": 2 * a * p * k,
+            "updated parameters written": p * k,
+            "master, m, v read and written": 2 * FP32_MASTER_AND_MOMENTS * k,
+            "fp32 gradients written and read": FP32 * (a + 1) * k,
+        }
+    return {link: {what: float(n) for what, n in terms.items()} for link, terms in traffic.items()}
+
+
+def link_seconds(
+    traffic: dict[str, dict[str, float]], ranks_per_node: int, bandwidth_gbps: dict[str, float]
+) -> dict[str, float]:
+    """Seconds each link needs for one optimizer step's bytes: per rank on PCIe, the node's sum on shared links."""
+    seconds = {}
+    for link, terms in traffic.items():
+        sharing = ranks_per_node if link in NODE_SHARED_LINKS else 1
+        seconds[link] = sum(terms.values()) * sharing / (bandwidth_gbps[link] * GB)
+    return seconds
+
+
+def parse_bandwidths(items: list[str] | None) -> dict[str, tuple[float, float]]:
+    """Guide 1's bandwidth table, with ``link=GB/s`` items (``nvme=3.2``) replacing a link's range by one figure."""
+    table = dict(GUIDE_BANDWIDTH_GBPS)
+    for item in items or []:
+        link, sep, value = str(item).partition("=")
+        link = link.strip().lower()
+        if not sep or link not in table:
+            raise ConfigError(
+                f"--bandwidth takes LINK=GB/s with LINK one of {', '.join(LINKS)}, got {item!r}{nearest(link, LINKS)}"
+            )
+        try:
+            gbps = float(value)
+        except ValueError:
+            gbps = -1.0
+        if not gbps > 0 or math.isinf(gbps):
+            raise ConfigError(f"--bandwidth {link}: GB/s must be a positive number, got {value!r}")
+        table[link] = (gbps, gbps)
+    return table

@@ -19,6 +19,8 @@ from typing import Any
 
 # Sentinel for "the factory derives this from the model's hidden size" (see strategy.bucket_sizes).
 FROM_MODEL = "from_model"
+# Sentinel for "the factory derives this from the run's layout" (devices per node; see strategy.hpz_partition_size).
+FROM_LAYOUT = "from_layout"
 
 PRESETS: dict[str, dict[str, Any]] = {
     # --- generic ladder (guide 1, 5.3: stage 1 -> 2 -> 3 -> offload, measured at each step) -------
@@ -85,9 +87,63 @@ PRESETS: dict[str, dict[str, Any]] = {
             "contiguous_gradients": True,
             "reduce_scatter": True,
             "stage3_param_persistence_threshold": FROM_MODEL,
+            # No prefetch: DeepSpeed 0.19.8 prefetching NVMe partitions under Accelerate stops at the second forward
+            # with "param N already assigned swap buffer id M" (tests/distributed/test_nvme_offload.py); with 0 it
+            # trains on both backends. Costs the overlap of the next layer's disk read with this layer's compute.
+            "stage3_prefetch_bucket_size": 0,
+            # The optimizer steps one sub-group at a time, swapping it in and out whole: this sizes the host buffers.
+            "sub_group_size": FROM_MODEL,
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": None,
+                # Pageable buffers: pinned ones cannot be swapped by the OS, and the disk is the bottleneck anyway.
+                "pin_memory": False,
+                # Sub-groups in flight (read, step, write back); DeepSpeed's default, measured to train here.
+                "buffer_count": 4,
+            },
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": None,
+                "pin_memory": False,
+                # Parameters swapped in at once (prefetch included): 5 ran out ("Not enough buffers"), 10 trained.
+                "buffer_count": 10,
+                # Elements per buffer: must hold the largest parameter partition, else DeepSpeed asserts.
+                "buffer_size": FROM_MODEL,
+                # Parameters kept in host RAM besides the swapped ones: 0 sends every swappable partition to disk.
+                "max_in_cpu": 0,
+            },
+        },
+        # DeepSpeed's async I/O (libaio) settings; tune them to the disk with bench/nvme_io.py.
+        "aio": {
+            # Bytes per read/write request; also the smallest tensor DeepSpeed swaps (max(1 MiB, block_size)).
+            "block_size": 1_048_576,
+            # Requests in flight per handle: an NVMe drive reaches full bandwidth only with many outstanding.
+            "queue_depth": 8,
+            # Threads splitting one request (DeepSpeed 0.19's name; older docs call it thread_count).
+            "intra_op_parallelism": 1,
+            # Submit a queue's requests together, not one by one: fewer system calls.
+            "single_submit": False,
+            # Overlap submitting new requests with reaping finished ones.
+            "overlap_events": True,
+        },
+    },
+    "deepspeed_stage_3_zeropp": {
+        "why": "Stage 3 + ZeRO++: int8 weight all-gather, node-local weight copy, int4 gradients (4x less traffic).",
+        "stage": 3,
+        "zero_optimization": {
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+            "stage3_param_persistence_threshold": FROM_MODEL,
             "stage3_prefetch_bucket_size": FROM_MODEL,
-            "offload_optimizer": {"device": "nvme", "pin_memory": True, "nvme_path": None},
-            "offload_param": {"device": "nvme", "pin_memory": True, "nvme_path": None},
+            # qwZ: block-quantized int8 weights in the forward all-gather, half of the 16-bit bytes (ZeRO++ tutorial).
+            # Needs DeepSpeed's CUDA quantizer: lint refuses it on a CPU.
+            "zero_quantized_weights": True,
+            # hpZ: a second copy of the weights sharded within each node, so the backward all-gather never leaves
+            # the node; costs 16-bit weights / devices-per-node more memory. Set from the run's layout.
+            "zero_hpz_partition_size": FROM_LAYOUT,
+            # qgZ: gradients averaged by a quantized all-to-all instead of a 16-bit reduce-scatter (CUDA only).
+            "zero_quantized_gradients": True,
         },
     },
     # --- domain presets (guide 2, section 7) -----------------------------------------------------

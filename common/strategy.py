@@ -21,13 +21,16 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import shutil
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, nearest
-from common.presets import FROM_MODEL, PRESET_NAMES, get_preset
+from common.memory_formulas import MIN_SWAPPED_BYTES, nvme_swapped_bytes_per_rank
+from common.presets import FROM_LAYOUT, FROM_MODEL, get_preset
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 
@@ -59,6 +62,13 @@ DEEPSPEED_TOP_LEVEL_KEYS = (
     "dump_state",
 )
 
+# DeepSpeed 0.19's ``aio`` keys (deepspeed/runtime/swap_tensor/constants.py); anything else is silently ignored there.
+AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")
+# Names older docs (and Lightning's DeepSpeedStrategy arguments) use for the same settings.
+AIO_OLD_NAMES = {"thread_count": "intra_op_parallelism"}
+# DeepSpeed's default offload_param.buffer_size (elements): the cap of the model-scaled value.
+DS_PARAM_BUFFER_ELEMENTS = 100_000_000
+
 # Keys the factory derives from run facts; overriding them would break "same numbers on both backends".
 RUN_FACT_KEYS = {
     "train_batch_size": "world_size x micro_batch_size x grad_accum",
@@ -79,6 +89,12 @@ class RunFacts:
         hidden_size: the model's hidden size, to scale bucket sizes and the stage-3 persistence threshold.
         gradient_clipping: max gradient norm (0 disables clipping).
         nvme_path: local NVMe folder for the ``*_offload_nvme`` presets.
+        devices_per_node: ranks on one node (None: all ranks on one node); ZeRO++'s hpZ shards a second weight
+            copy within a node, so ``zero_hpz_partition_size`` comes from it.
+        num_params: the model's parameter count, to check that the NVMe folder has room for the swapped states
+            (None: only a full disk is refused).
+        check_storage: check on this machine that the NVMe folder exists, is writable and has room, and that
+            DeepSpeed's async I/O op can be built; False resolves a config for another machine (golden files).
     """
 
     world_size: int = 1
@@ -88,12 +104,21 @@ class RunFacts:
     hidden_size: int | None = None
     gradient_clipping: float = 1.0
     nvme_path: str | None = None
+    devices_per_node: int | None = None
+    num_params: int | None = None
+    check_storage: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "micro_batch_size", "grad_accum"):
+        for name in ("world_size", "micro_batch_size", "grad_accum", "devices_per_node", "num_params"):
             value = getattr(self, name)
+            if value is None and name in ("devices_per_node", "num_params"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.devices_per_node is not None and self.world_size % self.devices_per_node:
+            raise ConfigError(
+                f"world_size {self.world_size} is not a whole number of nodes of {self.devices_per_node} devices"
+            )
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ConfigError(
                 f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
@@ -189,6 +214,14 @@ def _fill_from_model(zero: dict[str, Any], hidden_size: int | None) -> None:
     for key, value in derived.items():
         if zero.get(key) == FROM_MODEL:
             zero[key] = value
+    if zero.get("sub_group_size") == FROM_MODEL:
+        # One bucket's worth: the optimizer swaps sub-groups in and out whole (NVMe), so this bounds its buffers.
+        zero["sub_group_size"] = bucket
+    offload_param = zero.get("offload_param")
+    if isinstance(offload_param, dict) and offload_param.get("buffer_size") == FROM_MODEL:
+        # A buffer holds one parameter partition: the bucket covers a transformer's matrices (32 h^2), capped
+        # at DeepSpeed's default (1e8 elements) so that buffer_count buffers stay a few GB of host RAM.
+        offload_param["buffer_size"] = min(DS_PARAM_BUFFER_ELEMENTS, bucket)
     if zero.get("stage", 0) in (1, 2):
         zero.setdefault("reduce_bucket_size", bucket)
         zero.setdefault("allgather_bucket_size", bucket)
@@ -196,18 +229,131 @@ def _fill_from_model(zero: dict[str, Any], hidden_size: int | None) -> None:
         zero.setdefault("reduce_bucket_size", bucket)
 
 
+def hpz_partition_size(facts: RunFacts) -> int:
+    """ZeRO++ hpZ's secondary partition: the devices of one node, or 1 (off) when every rank is on one node.
+
+    hpZ keeps a second copy of the 16-bit weights sharded across a node's devices so that the backward pass
+    gathers them over the node's fast links instead of the network (ZeRO++ tutorial). On one node the primary
+    partition is already node-local: a secondary copy would only cost memory.
+    """
+    per_node = facts.devices_per_node or facts.world_size
+    return per_node if per_node < facts.world_size else 1
+
+
+def _fill_from_layout(zero: dict[str, Any], facts: RunFacts) -> None:
+    if zero.get("zero_hpz_partition_size") == FROM_LAYOUT:
+        zero["zero_hpz_partition_size"] = hpz_partition_size(facts)
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if isinstance(hpz, int) and not isinstance(hpz, bool) and hpz > 1 and facts.world_size % hpz:
+        raise ConfigError(
+            f"zero_hpz_partition_size {hpz} does not divide world_size {facts.world_size}: hpZ shards a weight copy "
+            "over groups of that many ranks; use the devices per node"
+        )
+
+
+def _check_aio(aio: Any) -> None:
+    """The ``aio`` section: DeepSpeed 0.19's keys with positive sizes (an unknown key is silently ignored there)."""
+    if not isinstance(aio, dict):
+        raise ConfigError(f"aio must be a mapping of {', '.join(AIO_KEYS)}, got {aio!r}")
+    for key, value in aio.items():
+        if key in AIO_OLD_NAMES:
+            raise ConfigError(
+                f"aio.{key} is not read by DeepSpeed 0.19 (it would be silently ignored); it is called "
+                f"aio.{AIO_OLD_NAMES[key]} now"
+            )
+        if key not in AIO_KEYS:
+            raise ConfigError(f"unknown aio key {key!r}{nearest(key, AIO_KEYS)}; valid: {', '.join(AIO_KEYS)}")
+        if key in ("block_size", "queue_depth", "intra_op_parallelism") and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ConfigError(f"aio.{key} must be a positive integer, got {value!r}")
+        if key in ("single_submit", "overlap_events", "use_gds") and not isinstance(value, bool):
+            raise ConfigError(f"aio.{key} must be true or false, got {value!r}")
+
+
+def async_io_problem() -> str | None:
+    """Why DeepSpeed's async I/O op (NVMe offload) cannot be built here, or None when it can.
+
+    DeepSpeed compiles the op on first use and links it against libaio; ``AsyncIOBuilder.is_compatible``
+    compiles and links a test program calling ``io_submit`` (honouring ``CC``, ``CFLAGS`` and ``LDFLAGS``).
+    Without this check a missing libaio surfaces as a compiler error deep inside ``deepspeed.initialize``.
+    """
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time log must not reach a JSON stdout
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        compatible = AsyncIOBuilder().is_compatible(verbose=False)
+    if compatible:
+        return None
+    return (
+        "DeepSpeed's async I/O op cannot be built: libaio's header and library were not found (or no C compiler "
+        "works); install them with `apt-get install libaio-dev` (Debian/Ubuntu) or `yum install libaio-devel`, "
+        "or set CFLAGS/LDFLAGS to where libaio is"
+    )
+
+
+def _nvme_sections(zero: dict[str, Any]) -> list[str]:
+    return [s for s in ("offload_optimizer", "offload_param") if (zero.get(s) or {}).get("device") == "nvme"]
+
+
+def _check_nvme_folder(path: str, zero: dict[str, Any], facts: RunFacts, precision: str) -> None:
+    """The folder exists, is a writable directory and has room for what this node's ranks swap; reads only."""
+    where = f"nvme_path {path!r}"
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"{where} does not exist: create it on the local NVMe drive first (DeepSpeed would create a missing "
+            "folder wherever the path points, e.g. on the root disk after a typo)"
+        )
+    if not os.path.isdir(path):
+        raise ConfigError(f"{where} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where} is not writable by this user: DeepSpeed writes its swap files there")
+    ranks_here = facts.devices_per_node or facts.world_size
+    if facts.num_params:
+        per_rank = nvme_swapped_bytes_per_rank(
+            facts.num_params,
+            facts.world_size,
+            precision,
+            params_on_nvme="offload_param" in _nvme_sections(zero),
+            optimizer_on_nvme="offload_optimizer" in _nvme_sections(zero) and zero.get("stage") == 3,
+        )
+        needed, what = ranks_here * per_rank, f"the swapped states of {facts.num_params:,} parameters"
+    else:
+        needed, what = ranks_here * MIN_SWAPPED_BYTES, "one swapped tensor per rank"
+    free = shutil.disk_usage(path).free
+    if free < needed:
+        raise ConfigError(
+            f"{where} has {free / 1e9:.3g} GB free, less than {needed / 1e9:.3g} GB for {what} on {ranks_here} "
+            "rank(s) of this node: free space there or point nvme_path at a larger drive"
+        )
+
+
 def _check_offload_paths(zero: dict[str, Any], nvme_path: str | None) -> None:
-    for section in ("offload_optimizer", "offload_param"):
-        offload = zero.get(section)
-        if not isinstance(offload, dict):
-            continue
-        if offload.get("device") == "nvme":
-            offload["nvme_path"] = offload.get("nvme_path") or nvme_path
-            if not offload["nvme_path"]:
-                raise ConfigError(
-                    f"zero_optimization.{section}: NVMe offload needs a path; pass nvme_path=/local/nvme "
-                    f"(or --set zero_optimization.{section}.nvme_path=/local/nvme)"
-                )
+    """Fill each NVMe section's ``nvme_path`` from the run facts; one is required."""
+    for section in _nvme_sections(zero):
+        offload = zero[section]
+        offload["nvme_path"] = offload.get("nvme_path") or nvme_path
+        if not offload["nvme_path"]:
+            raise ConfigError(
+                f"zero_optimization.{section}: NVMe offload needs a path; pass nvme_path=/local/nvme "
+                f"(or --set zero_optimization.{section}.nvme_path=/local/nvme)"
+            )
+
+
+def _check_nvme_storage(zero: dict[str, Any], facts: RunFacts, precision: str) -> None:
+    """On this machine: every NVMe folder usable (:func:`_check_nvme_folder`) and DeepSpeed's async I/O op buildable.
+
+    Nothing is created or written: a run refused here leaves no file behind.
+    """
+    if not facts.check_storage or not _nvme_sections(zero):
+        return
+    for path in dict.fromkeys(str(zero[s]["nvme_path"]) for s in _nvme_sections(zero)):
+        _check_nvme_folder(path, zero, facts, precision)
+    problem = async_io_problem()
+    if problem:
+        raise ConfigError(f"NVMe offload: {problem}")
 
 
 def _validate(config: dict[str, Any], preset_name: str, forbid_fp16: bool) -> None:
@@ -255,7 +401,8 @@ def resolve_deepspeed_config(
         A dict to pass to ``deepspeed.initialize``, Lightning or Accelerate (through the adapters below).
 
     Raises:
-        ConfigError: unknown preset or key, bad stage, fp16 where the preset forbids it, NVMe without a path.
+        ConfigError: unknown preset or key, bad stage, fp16 where the preset forbids it, NVMe without a path, and
+            (``facts.check_storage``) an NVMe folder that is missing, not writable or full, or no libaio.
     """
     facts = facts or RunFacts()
     spec = get_preset(preset) if isinstance(preset, str) else copy.deepcopy(preset)
@@ -277,12 +424,18 @@ def resolve_deepspeed_config(
         "steps_per_print": 1_000_000,  # the recipes log themselves; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
     }
+    if "aio" in spec:
+        config["aio"] = copy.deepcopy(spec["aio"])
     for key, value in (overrides or {}).items():
         _set_dotted(config, key, value)
     zero = config["zero_optimization"]
     _fill_from_model(zero, facts.hidden_size)
+    _fill_from_layout(zero, facts)
+    if "aio" in config:
+        _check_aio(config["aio"])
     _check_offload_paths(zero, facts.nvme_path)
     _validate(config, name, bool(spec.get("forbid_fp16")))
+    _check_nvme_storage(zero, facts, precision_of(config))
     return config
 
 
@@ -334,7 +487,18 @@ def make_optimizer(
     if offloads_optimizer(ds_config):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=True)
+        # bf16.bf16_optimizer_states keeps Adam's moments in bf16; under offload DeepSpeed insists that the CPU
+        # Adam was built that way (it asserts otherwise).
+        fp32_states = not ds_config.get("bf16", {}).get("bf16_optimizer_states", False)
+        return DeepSpeedCPUAdam(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=True,
+            fp32_optimizer_states=fp32_states,
+        )
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
@@ -344,6 +508,18 @@ def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_ratio
         return (step + 1) / max(1, warmup_steps)
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def arm_hang_detection(timeout: timedelta | None, run_dir: str | Path | None) -> None:
+    """Make a stalled collective explain itself on every rank, then end the run (:mod:`common.hang`).
+
+    Both backends' adapters call it before the process group exists: the same ``timeout`` bounds every
+    collective, and a hang's reports go to ``run_dir/hang/`` (``$ZR_HANG_DIR`` or ``./hang`` without a
+    ``run_dir``). ``ZR_HANG_DETECTION=off`` leaves it out.
+    """
+    from common.hang import enable_hang_detection  # imports torch: kept out of the tools' import path
+
+    enable_hang_detection(timeout, run_dir)
 
 
 # --- Lightning adapter --------------------------------------------------------------------------------
@@ -363,14 +539,23 @@ def lightning_strategy_config(ds_config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def lightning_trainer_kwargs(ds_config: dict[str, Any], timeout: timedelta | None = None) -> dict[str, Any]:
+def lightning_trainer_kwargs(
+    ds_config: dict[str, Any], timeout: timedelta | None = None, run_dir: str | Path | None = None
+) -> dict[str, Any]:
     """``Trainer`` keyword arguments for a resolved config: strategy, precision, accumulation, clipping.
 
     The strategy is :class:`common.lightning_cpu.ZeroDeepSpeedStrategy`, which is Lightning's own
-    ``DeepSpeedStrategy`` on a GPU and also runs real ZeRO on a CPU.
+    ``DeepSpeedStrategy`` on a GPU and also runs real ZeRO on a CPU. Hang detection is armed too
+    (:func:`arm_hang_detection`).
+
+    Args:
+        ds_config: the factory's resolved config.
+        timeout: how long a collective may wait (the recipes' ``collective_timeout_s``); torch's 30 min if None.
+        run_dir: the run directory; a hang's reports go to ``run_dir/hang/``.
     """
     from common.lightning_cpu import ZeroDeepSpeedStrategy
 
+    arm_hang_detection(timeout, run_dir)
     kwargs: dict[str, Any] = {"config": lightning_strategy_config(ds_config)}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -404,15 +589,19 @@ def accelerate_plugin(ds_config: dict[str, Any], zero3_init: bool | None = None)
     )
 
 
-def accelerator_kwargs(ds_config: dict[str, Any], timeout: timedelta | None = None) -> dict[str, Any]:
+def accelerator_kwargs(
+    ds_config: dict[str, Any], timeout: timedelta | None = None, run_dir: str | Path | None = None
+) -> dict[str, Any]:
     """``Accelerator`` keyword arguments: plugin, mixed precision, accumulation, and a gloo-safe process group.
 
     With ``--use_deepspeed`` on a CPU a plain ``Accelerator()`` may count one process while DeepSpeed runs
-    two; naming the backend explicitly fixes it (DESIGN.md, "Found on the way").
+    two; naming the backend explicitly fixes it (DESIGN.md, "Found on the way"). Hang detection is armed
+    too (:func:`arm_hang_detection`); ``timeout`` and ``run_dir`` as for :func:`lightning_trainer_kwargs`.
     """
     import torch
     from accelerate.utils import InitProcessGroupKwargs
 
+    arm_hang_detection(timeout, run_dir)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     pg_kwargs = {"backend": backend}
     if timeout is not None:
@@ -460,30 +649,54 @@ def write_accelerate_files(
     num_machines: int = 1,
     use_cpu: bool = False,
     json_name: str = "ds_config.json",
+    yaml_name: str = "accelerate.yaml",
+    script: str | None = None,
+    regenerate: str | None = None,
 ) -> Path:
     """Write ``ds_config.json`` and ``accelerate.yaml`` (pointing at it) into ``out_dir``; return the YAML path.
 
     The YAML names the JSON by its path relative to the current directory when it is inside it (so a
-    shipped recipe config works from the repository root), else by its absolute path.
+    shipped recipe config works from the repository root), else by its absolute path. It opens with a comment
+    header: the command that launches it, where the JSON comes from, and who reads the JSON.
+
+    Args:
+        script: the training script it launches (a recipe's ``train_accelerate.py``, as the user types it from
+            the current directory). A recipe's script builds its DeepSpeed plugin from the recipe config, not
+            from the JSON, and the header says so; None: the header names ``YOUR_SCRIPT.py``.
+        regenerate: the command that writes the JSON again (for a recipe's shipped files, the exact
+            ``zero-recipes config ...`` line); None: the general ``zero-recipes config`` form.
     """
     from common.config import dump_yaml
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / json_name
+    json_path, yaml_path = out_dir / json_name, out_dir / yaml_name
     json_path.write_text(json.dumps(ds_config, indent=2) + "\n")
-    try:
-        shown = str(json_path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        shown = str(json_path.resolve())
+
+    def shown(path: Path) -> str:
+        try:
+            return str(path.resolve().relative_to(Path.cwd().resolve()))
+        except ValueError:
+            return str(path.resolve())
+
     yaml_dict = accelerate_config(
-        shown, num_processes, num_machines, zero3_init=zero_stage(ds_config) == 3, use_cpu=use_cpu
+        shown(json_path), num_processes, num_machines, zero3_init=zero_stage(ds_config) == 3, use_cpu=use_cpu
     )
-    yaml_path = out_dir / "accelerate.yaml"
-    yaml_path.write_text(dump_yaml(yaml_dict))
+    header = [
+        "# Launches a training script under DeepSpeed with Accelerate:",
+        "#",
+        f"#   accelerate launch --config_file {shown(yaml_path)} {script or 'YOUR_SCRIPT.py'}",
+        "#",
+        f"# {json_name} beside this file is the DeepSpeed config it names, the factory's resolved dict, written by:",
+        f"#   {regenerate or 'zero-recipes config PRESET --world-size N ... --format accelerate --out DIR'}",
+    ]
+    if script:
+        header += [
+            f"# {Path(script).name} does not read it: it builds its DeepSpeed plugin from the recipe config",
+            "# (common.strategy.accelerator_kwargs), so a changed micro_batch_size or preset needs no edit of either",
+            "# file. This file sets the launcher's side: processes, machines, zero3_init_flag.",
+        ]
+    else:
+        header.append("# A script that builds Accelerator() without a DeepSpeed plugin reads it through this file.")
+    yaml_path.write_text("\n".join(header) + "\n\n" + dump_yaml(yaml_dict))
     return yaml_path
-
-
-def preset_names() -> tuple[str, ...]:
-    """All preset names, in the order ``zero-recipes ls`` shows them."""
-    return PRESET_NAMES

@@ -22,9 +22,8 @@ from common.errors import USAGE_EXIT_CODE, ConfigError, exit_on_user_error
 from common.presets import PRESETS
 from common.rundir import refuse_file_as_out_dir
 from common.strategy import PRECISIONS, RunFacts, resolve_deepspeed_config, write_accelerate_files
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-RECIPES_DIR = REPO_ROOT / "recipes"
+from common.tools import copy_recipe, doctor, export, lint, memory, probe
+from common.tools.recipes import shipped_recipes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,30 +44,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def list_recipes() -> list[tuple[str, str, list[str]]]:
-    """(name, first docstring line, config names) for each recipe folder under ``recipes/``."""
-    found = []
-    if not RECIPES_DIR.is_dir():
-        return found
-    for folder in sorted(p for p in RECIPES_DIR.iterdir() if (p / "train.py").is_file()):
-        configs = sorted(p.stem for p in (folder / "configs").glob("*.yaml")) if (folder / "configs").is_dir() else []
-        doc = (folder / "train.py").read_text().split('"""')
-        summary = doc[1].strip().splitlines()[0] if len(doc) > 2 else ""
-        found.append((folder.name, summary, configs))
-    return found
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
-    """Print presets and recipes with their one-line why."""
+    """Print presets and recipes with their one-line why (the recipes need the source checkout)."""
     width = max(len(name) for name in PRESETS)
     print("presets (zero-recipes config PRESET):")
     for name, spec in PRESETS.items():
         print(f"  {name:<{width}}  stage {spec['stage']}  {spec['why']}")
-    recipes = list_recipes()
-    if recipes:
-        print("recipes (python recipes/NAME/train.py):")
-        for name, summary, configs in recipes:
-            print(f"  {name:<{width}}  {summary}  [configs: {', '.join(configs)}]")
+    sys.stdout.flush()  # the presets stay above the error line of an installation without recipes
+    recipes = shipped_recipes()
+    print("recipes (python recipes/NAME/train.py; NAME:ENTRY runs recipes/NAME/ENTRY.py):")
+    for recipe in recipes:
+        configs = ", ".join(p.stem for p in recipe.configs())
+        print(f"  {recipe.name:<{width}}  {recipe.summary()}  [configs: {configs}]")
     return 0
 
 
@@ -130,14 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
-    from common.tools import copy_recipe, export, lint, memory, probe
-
-    return [copy_recipe.register, memory.register, lint.register, probe.register, export.register]
-
-
-# Other modules (planning tools, export, cp) add their subcommands here: (subparsers) -> None.
-EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = _extra_commands()
+# The other tools add their subcommands here: (subparsers) -> None.
+EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    copy_recipe.register,
+    memory.register,
+    lint.register,
+    probe.register,
+    export.register,
+    doctor.register,
+]
 
 
 class _DropCpuAcceleratorNotice(logging.Filter):

@@ -7,8 +7,9 @@ plus a generated smoke test, so that from any folder::
     python my_run/train.py max_steps=20
     pytest my_run/
 
-The smoke test runs ``train.py`` with the overrides the recipe lists in ``recipe_config.SMOKE_OVERRIDES``
-(a tiny, few-step run a user could type too) and checks the run directory. A destination that holds anything
+The smoke test runs ``train.py`` with the overrides the recipe lists in ``SMOKE_OVERRIDES`` (a tiny, few-step run
+a user could type too; the module beside ``train.py`` that defines it is found by reading, not importing, the
+recipe) and checks the run directory. A destination that holds anything
 is refused unless ``--force`` is given; even then a file that differs from the recipe's is never replaced (your
 edits stay yours: delete the file to take the recipe's again), so ``--force`` only adds what is missing.
 """
@@ -16,12 +17,11 @@ edits stay yours: delete the file to take the recipe's again), so ``--force`` on
 from __future__ import annotations
 
 import argparse
+import ast
 from pathlib import Path
 
 from common.errors import ConfigError, nearest
-
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
-SKIP_DIRS = {"__pycache__", "launch"}
+from common.tools.recipes import DEFAULT_ENTRY, find_recipe
 
 SMOKE_TEST = '''"""Smoke test of this recipe copy: a few training steps through train.py, then the run directory.
 
@@ -36,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from recipe_config import SMOKE_OVERRIDES  # noqa: E402
+from {smoke_module} import SMOKE_OVERRIDES  # noqa: E402
 
 
 def test_train_runs_and_writes_a_run_directory(tmp_path):
@@ -55,11 +55,40 @@ def test_train_runs_and_writes_a_run_directory(tmp_path):
 '''
 
 
-def available_recipes() -> list[str]:
-    """Recipe folder names under ``recipes/`` (those with a ``train.py``)."""
-    if not RECIPES_DIR.is_dir():
-        return []
-    return sorted(p.name for p in RECIPES_DIR.iterdir() if (p / "train.py").is_file())
+SMOKE_NAME = "SMOKE_OVERRIDES"
+
+
+def _assigns_smoke_overrides(path: Path) -> bool:
+    """Whether the module assigns ``SMOKE_OVERRIDES`` at its top level (``X = ...`` or ``X: list[str] = ...``)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == SMOKE_NAME for t in targets):
+            return True
+    return False
+
+
+def smoke_overrides_module(recipe_dir: Path) -> str:
+    """The module beside ``train.py`` that defines ``SMOKE_OVERRIDES``: one ``train.py`` imports, else any.
+
+    Raises:
+        ConfigError: no module of the folder defines it.
+    """
+    script = recipe_dir / f"{DEFAULT_ENTRY}.py"
+    imported = [
+        node.module
+        for node in ast.walk(ast.parse(script.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+    ]
+    local = [recipe_dir / f"{name}.py" for name in imported if (recipe_dir / f"{name}.py").is_file()]
+    for path in local + sorted(recipe_dir.glob("*.py")):
+        if _assigns_smoke_overrides(path):
+            return path.stem
+    raise ConfigError(f"{recipe_dir}: no module beside {script.name} defines {SMOKE_NAME} (the smoke test's run)")
 
 
 def files_to_copy(recipe_dir: Path, config: str | None) -> list[Path]:
@@ -84,7 +113,8 @@ def differing_files(contents: dict[Path, bytes]) -> list[Path]:
 
 
 def copy_recipe(recipe: str, dest: str | Path, config: str | None = None, force: bool = False) -> list[Path]:
-    """Copy recipe ``recipe`` into ``dest`` with a smoke test; return the written paths.
+    """Copy recipe ``recipe`` (a name or a copy's folder: the whole folder) into ``dest`` with a smoke test; return
+    the written paths.
 
     Args:
         force: copy into a folder that already holds something; files that are already there with the same content
@@ -94,10 +124,7 @@ def copy_recipe(recipe: str, dest: str | Path, config: str | None = None, force:
         ConfigError: unknown recipe or config, ``dest`` is a file, ``dest`` is not empty without ``force``, or a
             file in ``dest`` differs from the one the copy would write. Nothing is written then.
     """
-    recipes = available_recipes()
-    if recipe not in recipes:
-        raise ConfigError(f"unknown recipe {recipe!r}{nearest(recipe, recipes)}; recipes: {', '.join(recipes)}")
-    source, dest = RECIPES_DIR / recipe, Path(dest)
+    source, dest = find_recipe(recipe).folder, Path(dest)
     if dest.exists() and not dest.is_dir():
         raise ConfigError(f"{dest} is a file, not a folder; choose another destination")
     if dest.is_dir() and any(dest.iterdir()) and not force:
@@ -106,7 +133,8 @@ def copy_recipe(recipe: str, dest: str | Path, config: str | None = None, force:
             "(files you changed are never replaced)"
         )
     contents = {dest / rel: (source / rel).read_bytes() for rel in files_to_copy(source, config)}
-    contents[dest / "test_smoke.py"] = SMOKE_TEST.format(dest_name=dest.name).encode()
+    smoke = SMOKE_TEST.format(dest_name=dest.name, smoke_module=smoke_overrides_module(source))
+    contents[dest / "test_smoke.py"] = smoke.encode()
     differ = differing_files(contents)
     if differ:
         raise ConfigError(
@@ -131,7 +159,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``cp`` to the ``zero-recipes`` command."""
     cp = subparsers.add_parser("cp", help="copy a recipe with its configs and a smoke test")
-    cp.add_argument("recipe", help="recipe name (zero-recipes ls)")
+    cp.add_argument("recipe", help="recipe name (zero-recipes ls) or the folder of a copy")
     cp.add_argument("dest", help="destination folder")
     cp.add_argument("--config", default=None, help="copy only this config (plus the default tiny_cpu)")
     cp.add_argument(

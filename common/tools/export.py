@@ -42,15 +42,14 @@ import torch
 
 from common.checkpoint import latest_checkpoint
 from common.errors import ConfigError
+from common.memory_formulas import parse_bytes
+from common.strategy import torch_dtype
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EXPORT_DTYPES = ("fp32", "bf16")  # what a consolidated model is written in (common.strategy.torch_dtype)
 INDEX_NAME = "model.safetensors.index.json"
 WEIGHT_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
 _OPTIM_FILE = re.compile(r"^(?:\w+_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
 # --- reading DeepSpeed files without reading their tensors ----------------------------------------
@@ -452,11 +451,12 @@ def output_names(ckpt: ZeroCheckpoint, hf: HFModel | None) -> dict[str, str]:
 
 
 def parse_size(text: str) -> int:
-    """``"5GB"`` -> 5_000_000_000 bytes (KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB of 2)."""
-    match = _SIZE.match(str(text))
-    if not match or (match.group(2) or "").upper() not in _UNITS:
-        raise ConfigError(f"--max-shard-size {text!r}: expected a size such as 500MB, 5GB or 2GiB")
-    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    """``--max-shard-size``: ``"5GB"`` -> 5_000_000_000 bytes, read by :func:`common.memory_formulas.parse_bytes`
+    (KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB of 2)."""
+    try:
+        size = int(parse_bytes(text))
+    except ConfigError:
+        raise ConfigError(f"--max-shard-size {text!r}: expected a size such as 500MB, 5GB or 2GiB") from None
     if size < 1:
         raise ConfigError(f"--max-shard-size {text!r}: must be positive")
     return size
@@ -525,14 +525,14 @@ def export_checkpoint(
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
     max_bytes = parse_size(max_shard_size)
     check_out_dir(out_dir, overwrite)
     ckpt = open_checkpoint(source)
     hf = find_hf_model(ckpt.run_dir, trust_remote_code)
     names = output_names(ckpt, hf)
-    out_dtype = DTYPES[dtype]
+    out_dtype = torch_dtype(dtype)
 
     def out_bytes(name: str) -> int:
         flat = ckpt.tensors[names[name]].pieces[0].flat
@@ -789,7 +789,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export = subparsers.add_parser("export", help="consolidate a ZeRO 1/2/3 checkpoint into safetensors shards")
     export.add_argument("checkpoint", help="run directory, checkpoints/step_XXXXXX folder, or DeepSpeed tag folder")
     export.add_argument("out_dir", help="output folder (must be empty or absent unless --overwrite)")
-    export.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="floating-point dtype written")
+    export.add_argument("--dtype", choices=EXPORT_DTYPES, default="fp32", help="floating-point dtype written")
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 500MB, 5GB)")
     export.add_argument(
         "--verify", action="store_true", help="compare the export with DeepSpeed's own consolidation (zero_to_fp32)"

@@ -1,19 +1,23 @@
 """``zero-recipes lint``: read a config file (a recipe YAML, a DeepSpeed JSON, an accelerate YAML, a run
 directory), build the :class:`common.lint.LintView` it describes and run the rules of :mod:`common.lint`.
+
+A recipe YAML is read by its recipe: ``--describe`` (:mod:`common.tools.recipes`) gives the resolved config, the
+world size, the DeepSpeed dict and the model facts, all from the recipe's own process.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
+import torch
+
+from common.config import parse_overrides, read_yaml
+from common.errors import ConfigError, InputMissing
 from common.lint import (
-    _LINTING_A_FILE,
     BACKENDS,
     SEVERITY_ORDER,
     Finding,
@@ -26,32 +30,11 @@ from common.lint import (
     print_findings,
     run_rules,
 )
+from common.memory_formulas import facts_from_hf_config, local_device_memory, parse_bytes, parse_count
+from common.strategy import RunFacts, resolve_deepspeed_config
+from common.tools.recipes import REPO_ROOT, describe, find_recipe, recipe_of_config
 
 # --- reading files ------------------------------------------------------------------------------------
-
-
-def _guess_recipe(path: Path, data: dict[str, Any]) -> str | None:
-    from common.tools.probe import RECIPES_DIR, load_recipe_module, recipe_config_class, recipe_names
-
-    try:
-        relative = path.resolve().relative_to(RECIPES_DIR.resolve())
-        folder = RECIPES_DIR / relative.parts[0]
-        if (folder / "recipe_config.py").is_file():
-            # A second entry point in the folder (finetune_config.py) owns the configs named after it.
-            for entry in sorted(p.name.removesuffix("_config.py") for p in folder.glob("*_config.py")):
-                if entry != "recipe" and path.name.startswith(entry):
-                    return f"{relative.parts[0]}:{entry}"
-            return relative.parts[0]
-    except ValueError:
-        pass
-    for name in recipe_names():
-        try:
-            fields = {f.name for f in dataclasses.fields(recipe_config_class(load_recipe_module(name)))}
-        except ConfigError:
-            continue
-        if set(data) <= fields and "preset" in data:
-            return name
-    return None
 
 
 def _invalid(message: str) -> Finding:
@@ -63,11 +46,8 @@ def _invalid(message: str) -> Finding:
 def _recipe_view(
     path: Path, data: dict[str, Any], recipe: str | None, hidden: int | None, params: int | None, model: Any
 ) -> tuple[LintView, list[Finding]]:
-    from common.config import config_to_dict
-    from common.tools.probe import load_recipe_config, recipe_ds_config, recipe_model_facts, recipe_world
-
-    findings: list[Finding] = []
-    name = recipe or _guess_recipe(path, data)
+    """The run a recipe YAML describes: the recipe's own ``--describe`` of it, or the factory's reading of its keys
+    when the file belongs to no recipe."""
     view = LintView(
         ds_config=None,
         recipe_config=dict(data),
@@ -77,56 +57,58 @@ def _recipe_view(
         num_params=params,
         model=model,
     )
-    if name is None:  # a recipe-shaped YAML of no known recipe: resolve its preset with the factory
-        from common.config import parse_overrides
-        from common.strategy import RunFacts, resolve_deepspeed_config
+    owner = find_recipe(recipe) if recipe else recipe_of_config(path)
+    if owner is None:
+        return view, _factory_view(view, path, data, hidden)
+    try:
+        run = describe(owner, path)
+    except InputMissing as exc:  # the model is not made yet: the config can still be checked on its own
+        return view, _factory_view(view, path, data, hidden, why=f"{exc}; linted without the model's facts")
+    except ConfigError as exc:  # the recipe refuses the file: the rules still read its keys
+        return view, [_invalid(str(exc))]
+    view.recipe_config = run.config
+    view.world_size, view.ranks_per_node = run.world_size, run.devices_per_node
+    view.model = view.model or run.model
+    view.hidden_size = view.hidden_size or view.model.hidden_size
+    view.num_params = view.num_params or view.model.num_params
+    view.ds_config = run.ds_config
+    return view, []
 
-        try:
-            facts = RunFacts(
-                world_size=max(1, int(data.get("devices") or 1)) * int(data.get("num_nodes") or 1),
-                micro_batch_size=int(data.get("micro_batch_size", 1)),
-                grad_accum=int(data.get("grad_accum", 1)),
-                precision=data.get("precision"),
-                hidden_size=hidden,
-            )
-            view.ds_config = resolve_deepspeed_config(
-                data.get("preset", "deepspeed_stage_2"), facts, parse_overrides(data.get("ds_overrides") or [])
-            )
-            view.world_size = facts.world_size
-        except (ConfigError, ValueError, TypeError) as exc:
-            findings.append(_invalid(f"{path}: {exc}"))
-        return view, findings
+
+def _factory_view(
+    view: LintView, path: Path, data: dict[str, Any], hidden: int | None, why: str | None = None
+) -> list[Finding]:
+    """A recipe-shaped YAML resolved by the DeepSpeed factory alone (no model facts): it belongs to no known
+    recipe, or (``why``) its recipe could not describe the run because the model is not there yet."""
+    if why:
+        finding = Finding("recipe-input-missing", "info", why, "create the model first for the model-based checks")
+    else:
+        finding = Finding(
+            "recipe-unknown",
+            "info",
+            f"{path} lies in no recipe's configs/ folder: linted with the DeepSpeed factory alone, without the "
+            "recipe's model and its own DeepSpeed settings",
+            "pass --recipe NAME (zero-recipes ls) or the folder of a copy for the recipe's view",
+        )
+    findings = [finding]
     try:
-        module, cfg = load_recipe_config(name, path)
-    except ConfigError as exc:
-        findings.append(_invalid(str(exc)))
-        return view, findings
-    view.recipe_config = config_to_dict(cfg)
-    gpus, nodes = recipe_world(cfg)
-    view.world_size, view.ranks_per_node = gpus * nodes, gpus
-    if view.model is None:
-        try:
-            view.model = recipe_model_facts(module, cfg)
-        except Exception as exc:  # a model that cannot be built on meta: lint the rest
-            findings.append(
-                Finding("model-facts", "info", f"model size not known ({exc})", "pass --params / --hidden-size")
-            )
-    if view.model is not None:
-        view.hidden_size = view.hidden_size or view.model.hidden_size
-        view.num_params = view.num_params or view.model.num_params
-    token = _LINTING_A_FILE.set(True)
-    try:
-        view.ds_config = recipe_ds_config(module, cfg, view.world_size, view.hidden_size)
-    except ConfigError as exc:
-        findings.append(_invalid(str(exc)))
-    finally:
-        _LINTING_A_FILE.reset(token)
-    return view, findings
+        facts = RunFacts(
+            world_size=max(1, int(data.get("devices") or 1)) * int(data.get("num_nodes") or 1),
+            micro_batch_size=int(data.get("micro_batch_size", 1)),
+            grad_accum=int(data.get("grad_accum", 1)),
+            precision=data.get("precision"),
+            hidden_size=hidden,
+        )
+        view.ds_config = resolve_deepspeed_config(
+            data.get("preset", "deepspeed_stage_2"), facts, parse_overrides(data.get("ds_overrides") or [])
+        )
+        view.world_size = facts.world_size
+    except (ConfigError, ValueError, TypeError) as exc:
+        findings.append(_invalid(f"{path}: {exc}"))
+    return findings
 
 
 def _accelerate_view(path: Path, data: dict[str, Any]) -> tuple[LintView, list[Finding]]:
-    from common.tools.probe import REPO_ROOT
-
     findings: list[Finding] = []
     dsc = data.get("deepspeed_config") or {}
     processes = int(data.get("num_processes") or 1)
@@ -195,7 +177,8 @@ def lint_file(
 
     Args:
         path: the file.
-        recipe: the recipe a YAML belongs to (default: from its folder, or the recipe whose keys it uses).
+        recipe: the recipe a YAML belongs to, a name or a copy's folder (default: the recipe whose ``configs/``
+            folder holds the file; a YAML outside any is read by the factory alone).
         backend: who will consume a DeepSpeed JSON (``lightning``, ``accelerate``, ``hf_trainer``).
         hidden_size: the model's hidden size, when the file does not say.
         num_params: the model's parameter count, when the file does not say.
@@ -204,8 +187,6 @@ def lint_file(
         device_memory_bytes: memory of one target device for the activation check (default: the local GPU's;
             without a GPU the check is skipped, since a config meant for GPUs says nothing about a laptop's RAM).
     """
-    from common.config import read_yaml
-
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -244,13 +225,13 @@ def lint_file(
     # A file may be meant for another machine: without --gpu-memory, a bucket is checked against this machine's
     # whole device (or whole host RAM on a CPU), the bound that no rank of it can exceed.
     view.local_memory = _local_memory(1)
-    if device_memory_bytes is None and view.model is not None and view.source_kind == "recipe":
-        import torch
-
-        if torch.cuda.is_available():
-            from common.memory_formulas import local_device_memory
-
-            view.device_memory_bytes = local_device_memory(view.ranks_per_node)[0]
+    if (
+        device_memory_bytes is None
+        and view.model is not None
+        and view.source_kind == "recipe"
+        and torch.cuda.is_available()
+    ):
+        view.device_memory_bytes = local_device_memory(view.ranks_per_node)[0]
     return sorted(findings + run_rules(view), key=lambda f: SEVERITY_ORDER[f.severity])
 
 
@@ -266,7 +247,11 @@ def register(sub: Any) -> None:
         "severity and fix. Exit code 1 when there is an error.",
     )
     p.add_argument("config", help="recipe YAML, DeepSpeed JSON or accelerate YAML")
-    p.add_argument("--recipe", default=None, help="the recipe a YAML belongs to (default: guessed)")
+    p.add_argument(
+        "--recipe",
+        default=None,
+        help="the recipe a YAML belongs to: a name or a copy's folder (default: the recipe whose configs/ holds it)",
+    )
     p.add_argument("--backend", choices=BACKENDS, default=None, help="who consumes a DeepSpeed JSON")
     p.add_argument("--hidden-size", type=int, default=None, help="the model's hidden size")
     p.add_argument("--params", default=None, help="the model's parameter count, e.g. 7e9")
@@ -280,8 +265,6 @@ def register(sub: Any) -> None:
 
 def cmd_lint(args: Any) -> int:
     """``zero-recipes lint``: print findings, exit 1 on errors."""
-    from common.memory_formulas import facts_from_hf_config, parse_bytes, parse_count
-
     model = facts_from_hf_config(args.model_config) if args.model_config else None
     findings = lint_file(
         args.config,

@@ -44,10 +44,14 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from common.activation import check_preset
 from common.errors import ConfigError
 from common.memory_formulas import (
     ATTENTIONS,
     GB,
+    GUIDE_BANDWIDTH_GBPS,
+    LINKS,
+    NODE_SHARED_LINKS,
     OFFLOADS,
     USABLE_FRACTION,
     WORKING_BYTES,
@@ -59,13 +63,19 @@ from common.memory_formulas import (
     fmt_gb,
     guide_model_states,
     host_memory,
+    link_seconds,
     local_device_memory,
+    lora_params,
+    offload_traffic,
+    parse_bandwidths,
     parse_bytes,
     parse_count,
     persistent_params,
     transformer_activations,
 )
-from common.strategy import bucket_elements
+from common.presets import FROM_MODEL, get_preset
+from common.strategy import bucket_elements, persistence_threshold
+from common.tools.recipes import describe
 
 # (stage, offload) rows of the table, and the generic preset each row stands for.
 ROW_PRESETS: dict[tuple[int, str], str] = {
@@ -77,6 +87,7 @@ ROW_PRESETS: dict[tuple[int, str], str] = {
     (2, "optimizer"): "deepspeed_stage_2_offload",
     (3, "optimizer"): "deepspeed_stage_3",  # + offload_optimizer only (no named preset)
     (3, "params"): "deepspeed_stage_3_offload",
+    (3, "nvme"): "deepspeed_stage_3_offload_nvme",
 }
 
 # Guide 1, 5.3 and 3.3: stages in order without offload, then offload optimizer states on stage 2
@@ -89,7 +100,9 @@ LADDER: tuple[tuple[int, str], ...] = (
     (2, "optimizer"),
     (3, "optimizer"),
     (3, "params"),
+    (3, "nvme"),
 )
+
 
 @dataclass(frozen=True)
 class PlanInputs:
@@ -109,6 +122,7 @@ class PlanInputs:
         device_memory_label: where that number comes from.
         host_memory_bytes: host RAM per node, for offload rows (None: not checked).
         bucket_elements: reduce / all-gather bucket size; None scales it to the model like the presets.
+        bandwidth_gbps: GB/s of each link as (low, high): guide 1's table, or one measured figure (``--bandwidth``).
     """
 
     gpus_per_node: int = 1
@@ -124,6 +138,7 @@ class PlanInputs:
     device_memory_label: str = "--gpu-memory"
     host_memory_bytes: float | None = None
     bucket_elements: int | None = None
+    bandwidth_gbps: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(GUIDE_BANDWIDTH_GBPS))
 
     @property
     def world_size(self) -> int:
@@ -153,6 +168,11 @@ class Row:
     fits: bool
     fits_with: str | None
     note: str = ""
+    model_states_disk_bytes: float = 0.0
+    bytes_moved_per_step: dict[str, dict[str, float]] = field(default_factory=dict)
+    link_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)
+    offload_seconds: tuple[float, float] | None = None
+    slowest_link: str | None = None
 
 
 @dataclass
@@ -181,9 +201,6 @@ class Plan:
 
 def _preset_zero(stage: int, offload: str, bucket: int, hidden_size: int | None = None) -> dict[str, Any]:
     """The row's preset ``zero_optimization``, with the model-scaled values the factory would fill in."""
-    from common.presets import FROM_MODEL, get_preset
-    from common.strategy import persistence_threshold
-
     zero = dict(get_preset(ROW_PRESETS[(stage, offload)])["zero_optimization"])
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         zero.setdefault(key, bucket)
@@ -192,6 +209,27 @@ def _preset_zero(stage: int, offload: str, bucket: int, hidden_size: int | None 
     if zero.get("stage3_param_persistence_threshold") == FROM_MODEL:
         zero["stage3_param_persistence_threshold"] = persistence_threshold(hidden_size)
     return zero
+
+
+def _offload_time(facts: ModelFacts, stage: int, offload: str, inputs: PlanInputs) -> dict[str, Any]:
+    """The row's time column: bytes each offload link moves per optimizer step, and the seconds they take.
+
+    Trainable parameters only move (LoRA: the adapters); the floor is the slowest link's time, the step's lower
+    bound if every transfer overlapped with compute and with the others.
+    """
+    trainable = lora_params(facts, inputs.lora_rank) if inputs.lora_rank else facts.num_params
+    traffic = offload_traffic(trainable, stage, offload, inputs.world_size, inputs.precision)
+    if not traffic:
+        return {}
+    fast = link_seconds(traffic, inputs.gpus_per_node, {k: v[1] for k, v in inputs.bandwidth_gbps.items()})
+    slow = link_seconds(traffic, inputs.gpus_per_node, {k: v[0] for k, v in inputs.bandwidth_gbps.items()})
+    slowest = max(slow, key=slow.__getitem__)
+    return {
+        "bytes_moved_per_step": traffic,
+        "link_seconds": {link: (fast[link], slow[link]) for link in traffic},
+        "offload_seconds": (fast[slowest], slow[slowest]),
+        "slowest_link": slowest,
+    }
 
 
 # --- the plan -----------------------------------------------------------------------------------------
@@ -217,16 +255,23 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
             continue
         zero = _preset_zero(stage, offload, bucket, facts.hidden_size)
         threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if stage == 3 else 0
-        device, host = guide_model_states(facts, stage, offload, n, inputs.precision, inputs.lora_rank, threshold)
-        after_step, _ = guide_model_states(
-            facts, stage, offload, n, inputs.precision, inputs.lora_rank, threshold, grads_alive=False
+        states_offload = "params" if offload == "nvme" else offload  # NVMe takes what host RAM would hold
+        device, host = guide_model_states(
+            facts, stage, states_offload, n, inputs.precision, inputs.lora_rank, threshold
         )
+        after_step, _ = guide_model_states(
+            facts, stage, states_offload, n, inputs.precision, inputs.lora_rank, threshold, grads_alive=False
+        )
+        disk = host if offload == "nvme" else 0.0
+        host -= disk
         if inputs.lora_rank:
             ds_gpu, ds_cpu = None, None
         else:
             ds_gpu, ds_cpu = deepspeed_estimate(
-                facts.num_params, largest, stage, offload, inputs.gpus_per_node, inputs.nodes
+                facts.num_params, largest, stage, states_offload, inputs.gpus_per_node, inputs.nodes
             )
+            if offload == "nvme":  # DeepSpeed's estimator has no NVMe case: its GPU figure holds, its CPU one not
+                ds_cpu = None
         sharded = facts.num_params - persistent_params(facts, threshold)
         buffers = buffer_bytes(stage, zero, inputs.precision, largest, bucket, sharded)
         host_node = host * inputs.gpus_per_node
@@ -262,6 +307,8 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
                 fits=fits,
                 fits_with=fits_with if fits else None,
                 note=note,
+                model_states_disk_bytes=disk,
+                **_offload_time(facts, stage, offload, inputs),
             )
         )
     result.recommendation = recommend(result)
@@ -312,6 +359,8 @@ _RUNG_WHY = {
     (2, "optimizer"): "optimizer states in host RAM, the guide's first offload (12 B/param leave the device)",
     (3, "optimizer"): "stage 3 with optimizer states in host RAM",
     (3, "params"): "parameters in host RAM too: expect about 0.70x throughput; raise the batch to amortise PCIe",
+    (3, "nvme"): "parameters and optimizer states on NVMe (ZeRO-Infinity): host RAM holds buffers only, and the "
+    "disk's bandwidth sets the step time (the offload time column)",
 }
 
 
@@ -383,7 +432,7 @@ def format_plan(result: Plan) -> str:
     lines.append("")
     header = (
         f"{'stage':>5}  {'offload':<9}  {'guide states':>12}  {'DeepSpeed est.':>14}  {'activations':>11}  "
-        f"{'act. ' + ac:>16}  {'buffers <=':>10}  {'host/node':>10}  fits"
+        f"{'act. ' + ac:>16}  {'buffers <=':>10}  {'host/node':>10}  {'offload s/step >=':>17}  fits"
     )
     lines += [header, "-" * len(header)]
     for r in result.rows:
@@ -398,7 +447,7 @@ def format_plan(result: Plan) -> str:
             f"{r.stage:>5}  {r.offload:<9}  {fmt_gb(r.model_states_bytes):>12}  "
             f"{fmt_gb(r.deepspeed_estimate_bytes):>14}  {fmt_gb(r.activations_bytes):>11}  "
             f"{fmt_gb(r.activations_checkpointed_bytes):>16}  {fmt_gb(r.buffers_bytes):>10}  "
-            f"{fmt_gb(r.host_ram_per_node_bytes):>10}  {fits}"
+            f"{fmt_gb(r.host_ram_per_node_bytes):>10}  {_fmt_floor(r):>17}  {fits}"
         )
     rec = result.recommendation
     lines += [
@@ -409,8 +458,14 @@ def format_plan(result: Plan) -> str:
         "  backward at their peak, counted per op for this attention (eager adds the a*s*s softmax; sdpa/flash keep",
         "  a log-sum-exp); checked against autograd (bench/activations.py). buffers <=: an upper bound: overlap_comm",
         "  ~4.5 x buckets; stage 3 reduce bucket + parameters kept gathered (<= stage3_max_live_parameters).",
+        "offload s/step >=: bytes one optimizer step moves over each offload link / its bandwidth, the slowest",
+        "  link named: a floor if transfers overlap compute. PCIe per device, DRAM and NVMe shared by a node's ranks;",
+        f"  {_fmt_bandwidths(inp)}.",
+        "  --bandwidth LINK=GB/s sets a measured one (bench/nvme_io.py measures the disk); --offload X shows the sums.",
         "",
     ]
+    if inp.offload not in (None, "none"):
+        lines += _traffic_sums(result) + [""]
     recommended = (
         f"recommended: {rec['preset'] or 'none'}"
         + (
@@ -423,6 +478,47 @@ def format_plan(result: Plan) -> str:
     )
     lines += textwrap.wrap(recommended, width=len(header), subsequent_indent="  ", break_on_hyphens=False)
     return "\n".join(lines)
+
+
+def _fmt_seconds(low: float, high: float) -> str:
+    digits = 2 if high < 10 else 1 if high < 100 else 0
+    return f"{low:.{digits}f}" if round(low, digits) == round(high, digits) else f"{low:.{digits}f}-{high:.{digits}f}"
+
+
+def _fmt_floor(row: Row) -> str:
+    """``0.44-0.88 pcie``: the slowest offload link's seconds per optimizer step (``-`` without offload)."""
+    if row.offload_seconds is None:
+        return "-"
+    return f"{_fmt_seconds(*row.offload_seconds)} {row.slowest_link}"
+
+
+def _fmt_rate(low: float, high: float) -> str:
+    return f"{low:g}" if low == high else f"{low:g}-{high:g}"
+
+
+def _fmt_bandwidths(inputs: PlanInputs) -> str:
+    guide = all(inputs.bandwidth_gbps[link] == GUIDE_BANDWIDTH_GBPS[link] for link in LINKS)
+    shown = ", ".join(f"{link} {_fmt_rate(*inputs.bandwidth_gbps[link])} GB/s" for link in ("pcie", "dram", "nvme"))
+    return ("guide 1's bandwidths: " if guide else "bandwidths: ") + shown
+
+
+def _traffic_sums(result: Plan) -> list[str]:
+    """Per offload row, each link's bytes term by term and the seconds they take: the time column's sums."""
+    inp = result.inputs
+    lines = [f"bytes moved per optimizer step (one micro-batch a step; {inp.gpus_per_node} ranks a node):"]
+    for row in result.rows:
+        if not row.bytes_moved_per_step:
+            continue
+        lines.append(f"  stage {row.stage} + {row.offload} offload:")
+        for link, terms in row.bytes_moved_per_step.items():
+            per_rank = sum(terms.values())
+            total = f"{fmt_gb(per_rank)} per rank"
+            if link in NODE_SHARED_LINKS and inp.gpus_per_node > 1:
+                total += f" x {inp.gpus_per_node} ranks = {fmt_gb(per_rank * inp.gpus_per_node)}"
+            rate, seconds = _fmt_rate(*inp.bandwidth_gbps[link]), _fmt_seconds(*row.link_seconds[link])
+            lines.append(f"    {link}: {total} / {rate} GB/s = {seconds} s")
+            lines += [f"      {fmt_gb(n):>9}  {what}" for what, n in terms.items()]
+    return lines
 
 
 def to_json_text(result: Plan) -> str:
@@ -446,8 +542,10 @@ def register(sub: Any) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", help="parameter count, e.g. 7e9 or 7B (a Llama-like shape is assumed)")
     src.add_argument("--model-config", help="a Hugging Face config.json (parameters counted exactly)")
-    src.add_argument("--recipe", help="a recipe name (zero-recipes ls): its model, batch and devices")
-    p.add_argument("--config", help="with --recipe: the recipe's YAML config (default: its tiny_cpu.yaml)")
+    src.add_argument(
+        "--recipe", help="a recipe name (zero-recipes ls) or a copy's folder: its model, batch and devices"
+    )
+    p.add_argument("--config", help="with --recipe: the recipe's YAML config (default: the recipe's own)")
     p.add_argument("--gpus", type=int, default=None, help="devices per node (default 1, or the recipe's)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default 1, or the recipe's)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 2048, or the recipe's)")
@@ -477,36 +575,39 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--bucket-size", default=None, help="reduce/all-gather bucket elements (default: scaled like presets)"
     )
+    p.add_argument(
+        "--bandwidth",
+        action="append",
+        metavar="LINK=GB/S",
+        help="a measured bandwidth for the offload time column, e.g. nvme=3.2 (links: hbm, dram, pcie, nvme; "
+        "default: guide 1's ranges)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_estimate)
 
 
 def _recipe_inputs(args: Any) -> tuple[ModelFacts, dict[str, Any]]:
-    from common.tools.probe import load_recipe_config, recipe_model_facts, recipe_world
-
-    module, cfg = load_recipe_config(args.recipe, args.config)
-    facts = recipe_model_facts(module, cfg)
-    gpus, nodes = recipe_world(cfg)
+    """The model facts and run defaults of a recipe's config, from the recipe's ``--describe``."""
+    run = describe(args.recipe, args.config)
+    cfg = run.config
     defaults = {
-        "gpus_per_node": gpus,
-        "nodes": nodes,
-        "seq_len": getattr(cfg, "seq_len", None),
-        "micro_batch_size": getattr(cfg, "micro_batch_size", None),
-        "precision": getattr(cfg, "precision", None),
-        "attention": getattr(cfg, "attention", None),
-        "lora_rank": getattr(cfg, "lora_rank", None) if getattr(cfg, "lora", True) else None,
+        "gpus_per_node": run.devices_per_node,
+        "nodes": run.num_nodes,
+        "seq_len": run.seq_len,
+        "micro_batch_size": run.micro_batch_size,
+        "precision": cfg.get("precision"),
+        "attention": cfg.get("attention"),
+        "lora_rank": cfg.get("lora_rank") if cfg.get("lora", True) else None,
     }
-    ac = getattr(cfg, "activation_checkpointing", "none")
+    ac = cfg.get("activation_checkpointing", "none")
     if ac and ac != "none":
         defaults["activation_checkpointing"] = ac
-    return facts, {k: v for k, v in defaults.items() if v is not None}
+    return run.model, {k: v for k, v in defaults.items() if v is not None}
 
 
 def cmd_estimate(args: Any) -> int:
     """``zero-recipes estimate``: print the plan table (or JSON)."""
     if args.activation_checkpointing is not None:
-        from common.activation import check_preset
-
         check_preset(args.activation_checkpointing)
     if args.config and not args.recipe:
         raise ConfigError("--config goes with --recipe (a recipe's YAML); for a Hugging Face config use --model-config")
@@ -546,6 +647,7 @@ def cmd_estimate(args: Any) -> int:
         device_memory_label=label,
         host_memory_bytes=host,
         bucket_elements=parse_count(args.bucket_size) if args.bucket_size else None,
+        bandwidth_gbps=parse_bandwidths(args.bandwidth),
     )
     result = plan(facts, inputs)
     print(to_json_text(result) if args.json else format_plan(result))

@@ -20,7 +20,10 @@ class, or a ``datasets.save_to_disk`` folder with image and label columns), ``mo
 image classifier to fine-tune), ``image_size=64``, ``max_steps=100``. The run directory (``out_dir``) ends with
 config.yaml, ds_config.json, env.json, metrics.jsonl, tb/, checkpoints/, final/ (Hugging Face format:
 ``AutoModelForImageClassification.from_pretrained`` loads it), confusion_matrix.png and summary.json.
-``resume=true`` continues from checkpoints/latest.
+``resume=true`` continues from checkpoints/latest; ``--describe`` prints what the planning tools read (no training).
+
+The config's keys are in ``cv_config.py``; the data, the model (``build_model``), the loss, the evaluation and
+the run files in ``classification.py``, shared with ``train_accelerate.py``.
 """
 
 from __future__ import annotations
@@ -31,35 +34,40 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from recipe_config import (  # next to this script
-    Clock,
-    CVConfig,
-    all_reduce,
+from classification import (  # next to this script: data, model, loss, evaluation, run files, summary
+    CVSummary,
     build_model,
-    check_out_dir,
     classification_loss,
+    describe,
     evaluate,
     finish,
     load_data,
     lr_lambda,
     param_groups,
-    parse_args,
     resolve_ds_config,
-    resume_point,
     seed_micro_batch,
-    set_threads,
     step_lr,
     train_loader,
     write_run_files,
 )
+from cv_config import DEFAULT_CONFIG, CVConfig
 
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
-from common.config import config_to_dict
+from common.config import config_to_dict, parse_recipe_args
+from common.describe import local_world
 from common.errors import exit_on_user_error
-from common.resume import mark_universal, prepare_resume, with_universal_load
-from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir
+from common.metrics import Clock, all_reduce
+from common.resume import find_resume_point, mark_universal, prepare_resume, with_universal_load
+from common.rundir import (
+    MetricsLog,
+    is_launcher_rank_zero,
+    prepare_run_dir,
+    refuse_existing_out_dir,
+    set_cpu_threads,
+    write_json_atomic,
+)
 from common.strategy import lightning_trainer_kwargs, make_optimizer
-from cv.data import DataError
+from cv.data import DataError, ImageData
 from cv.model import ModelError
 
 # StepSampler starts a resumed run at the checkpoint's step, so the loader *is* resumable; Lightning cannot tell.
@@ -68,37 +76,42 @@ warnings.filterwarnings("ignore", message=".*does not have many workers.*")  # i
 
 
 class ImageClassifier(L.LightningModule):
-    """The training step, plus the run's bookkeeping at optimizer-step boundaries (log, evaluate, checkpoint)."""
+    """The training step, plus the run's bookkeeping at optimizer-step boundaries (log, evaluate, checkpoint).
 
-    def __init__(self, cfg: CVConfig, run: dict) -> None:
+    ``summary`` holds the run's summary on global rank 0 once training has ended; ``main()`` writes it.
+    """
+
+    def __init__(
+        self,
+        cfg: CVConfig,
+        model: torch.nn.Module,
+        data: ImageData,
+        ds_config: dict,
+        start_step: int,
+        clock: Clock,
+    ) -> None:
         super().__init__()
-        self.cfg, self.run = cfg, run
-        self.model = run["model"]
+        self.cfg, self.model, self.data, self.ds_config = cfg, model, data, ds_config
         mark_universal(self)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
+        self.start_step = self.last_step = start_step
+        self.clock = clock
         self.micro_losses: list[torch.Tensor] = []  # this optimizer step's micro-batches
         self.step_losses: list[torch.Tensor] = []  # steps since the last log line
-        self.last_step = run["start_step"]
-        self.clock = run["clock"]
         self.metrics = MetricsLog(cfg.out_dir, enabled=False)
+        self.summary: CVSummary | None = None
 
     def on_fit_start(self) -> None:
         self.metrics = MetricsLog(self.cfg.out_dir, enabled=self.global_rank == 0)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return train_loader(
-            self.run["data"],
-            self.cfg,
-            self.global_rank,
-            self.trainer.world_size,
-            self.run["start_step"],
-            full_length=True,
-        )
+        rank, world_size = self.global_rank, self.trainer.world_size
+        return train_loader(self.data, self.cfg, rank, world_size, self.start_step, full_length=True)
 
     def configure_optimizers(self) -> dict:
         cfg = self.cfg
         optimizer = make_optimizer(
             param_groups(self.model, cfg.weight_decay),
-            self.run["ds_config"],
+            self.ds_config,
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
             betas=(0.9, 0.999),
@@ -130,11 +143,11 @@ class ImageClassifier(L.LightningModule):
             self.log("loss", loss, prog_bar=True, logger=False)  # a float: the sync above was the only one
             self.step_losses.clear()
         if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()
-            result = evaluate(self.model, self.run["data"], cfg, self.global_rank, self.trainer.world_size, self.device)
+            result = evaluate(self.model, self.data, cfg, self.global_rank, self.trainer.world_size, self.device)
             self.metrics.log(
-                step, val_loss=result["val_loss"], val_accuracy=result["val_accuracy"], elapsed_s=self.clock.wall()
+                step, val_loss=result.val_loss, val_accuracy=result.val_accuracy, elapsed_s=self.clock.wall()
             )
-            self.print(f"step {step}: val_accuracy {result['val_accuracy']:.4f} ({self.clock.wall():.0f} s)")
+            self.print(f"step {step}: val_accuracy {result.val_accuracy:.4f} ({self.clock.wall():.0f} s)")
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
             out_dir, strategy = Path(cfg.out_dir), self.trainer.strategy
@@ -146,13 +159,13 @@ class ImageClassifier(L.LightningModule):
         self.clock.skip()
 
     def on_train_end(self) -> None:
-        """Final evaluation, exported weights, confusion matrix and summary.json."""
-        finish(
+        """Final evaluation, exported weights and confusion matrix; the summary is kept for main()."""
+        self.summary = finish(
             self.cfg,
-            self.run["ds_config"],
+            self.ds_config,
             self.trainer.strategy.model,
             self.model,
-            self.run["data"],
+            self.data,
             self.global_rank,
             self.trainer.world_size,
             self.device,
@@ -160,23 +173,24 @@ class ImageClassifier(L.LightningModule):
             self.metrics,
             backend="lightning",
             steps=self.trainer.global_step,
-            resumed_from_step=self.run["start_step"] or None,
+            start_step=self.start_step,
         )
 
 
 @exit_on_user_error(DataError, ModelError)
 def main() -> None:
-    cfg = parse_args()
+    cfg = parse_recipe_args(CVConfig, DEFAULT_CONFIG, describe=describe)
     clock = Clock()
     on_gpu = torch.cuda.is_available()
-    devices = cfg.devices or (torch.cuda.device_count() if on_gpu else 2)
-    world_size = devices * cfg.num_nodes
-    set_threads(devices)
+    devices, num_nodes = local_world(cfg.devices, cfg.num_nodes)
+    world_size = devices * num_nodes
+    set_cpu_threads(devices)
     # Lightning starts ranks 1.. at trainer.fit by re-running this script: rank 0 has prepared out_dir by then.
     rank0, out_dir = is_launcher_rank_zero(), Path(cfg.out_dir)
     if rank0:
-        check_out_dir(cfg)  # refuses an existing out_dir before any work
-    resume = resume_point(cfg, world_size)  # different model or config, no complete checkpoint: refused here
+        refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)  # before any work
+    # A different model or config, no complete checkpoint: refused here; another world size: a universal checkpoint.
+    resume = find_resume_point(out_dir, config_to_dict(cfg), world_size) if cfg.resume else None
     start_step = resume.step if resume else 0
     ds_config = resolve_ds_config(cfg, world_size)  # bad preset or DeepSpeed key: refused before any work
     data = load_data(cfg, world_size)  # empty folder, corrupt image, too few images: refused here
@@ -187,12 +201,12 @@ def main() -> None:
         if resume:  # before Lightning starts ranks 1..: they find a universal conversion in place
             prepare_resume(resume, config_to_dict(cfg))
 
-    run = {"model": model, "data": data, "ds_config": ds_config, "start_step": start_step, "clock": clock}
+    module = ImageClassifier(cfg, model, data, ds_config, start_step, clock)
     load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=devices,
-        num_nodes=cfg.num_nodes,
+        num_nodes=num_nodes,
         max_steps=cfg.max_steps,
         use_distributed_sampler=False,  # StepSampler shards by rank itself: exact resume, same order as Accelerate
         logger=False,  # metrics.jsonl and tb/ are written by the module
@@ -201,7 +215,11 @@ def main() -> None:
         num_sanity_val_steps=0,
         **lightning_trainer_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s)),
     )
-    trainer.fit(ImageClassifier(cfg, run), ckpt_path=str(resume.load_path) if resume else None)
+    trainer.fit(module, ckpt_path=str(resume.load_path) if resume else None)
+
+    if trainer.is_global_zero and module.summary is not None:
+        write_json_atomic(out_dir / "summary.json", module.summary.to_json())
+        print(module.summary.headline(out_dir), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,33 +23,30 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from recipe_config import (  # next to this script
-    Clock,
-    all_reduce,
+from classification import (  # next to this script: data, model, loss, evaluation, run files, summary
     build_model,
-    check_out_dir,
     classification_loss,
+    describe,
     evaluate,
     finish,
     load_data,
     lr_lambda,
     param_groups,
-    parse_args,
     resolve_ds_config,
-    resume_point,
     seed_micro_batch,
-    set_threads,
     step_lr,
     train_loader,
     write_run_files,
 )
+from cv_config import DEFAULT_CONFIG, CVConfig
 from tqdm.auto import tqdm
 
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
-from common.config import config_to_dict
+from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
-from common.resume import mark_universal, param_groups_kept, prepare_resume, with_universal_load
-from common.rundir import MetricsLog, prepare_run_dir
+from common.metrics import Clock, all_reduce
+from common.resume import find_resume_point, mark_universal, param_groups_kept, prepare_resume, with_universal_load
+from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
 from common.strategy import accelerator_kwargs, make_optimizer
 from cv.data import DataError
 from cv.model import ModelError
@@ -57,14 +54,15 @@ from cv.model import ModelError
 
 @exit_on_user_error(DataError, ModelError)
 def main() -> None:
-    cfg = parse_args()
+    cfg = parse_recipe_args(CVConfig, DEFAULT_CONFIG, describe=describe)
     clock = Clock()
-    set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     out_dir, main_process = Path(cfg.out_dir), int(os.environ.get("RANK", 0)) == 0
     if main_process:
-        check_out_dir(cfg)  # refuses an existing out_dir before any work
-    resume = resume_point(cfg, world_size)  # different model or config, no complete checkpoint: refused here
+        refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)  # before any work
+    # A different model or config, no complete checkpoint: refused here; another world size: a universal checkpoint.
+    resume = find_resume_point(out_dir, config_to_dict(cfg), world_size) if cfg.resume else None
     start_step = resume.step if resume else 0
     ds_config = resolve_ds_config(cfg, world_size)  # bad preset or DeepSpeed key: refused before any work
     data = load_data(cfg, world_size)  # empty folder, corrupt image, too few images: refused here
@@ -127,8 +125,8 @@ def main() -> None:
             step_losses.clear()
         if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()
             result = evaluate(net, data, cfg, rank, world_size, device)
-            metrics.log(step, val_loss=result["val_loss"], val_accuracy=result["val_accuracy"], elapsed_s=clock.wall())
-            bar.write(f"step {step}: val_accuracy {result['val_accuracy']:.4f} ({clock.wall():.0f} s)")
+            metrics.log(step, val_loss=result.val_loss, val_accuracy=result.val_accuracy, elapsed_s=clock.wall())
+            bar.write(f"step {step}: val_accuracy {result.val_accuracy:.4f} ({clock.wall():.0f} s)")
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
             accelerator.save_state(str(tmp_checkpoint_dir(out_dir, step)))
@@ -139,7 +137,7 @@ def main() -> None:
         clock.skip()
     bar.close()
 
-    finish(
+    summary = finish(
         cfg,
         ds_config,
         engine,
@@ -152,8 +150,11 @@ def main() -> None:
         metrics,
         backend="accelerate",
         steps=step,
-        resumed_from_step=start_step or None,
+        start_step=start_step,
     )
+    if summary is not None:  # rank 0
+        write_json_atomic(out_dir / "summary.json", summary.to_json())
+        print(summary.headline(out_dir), flush=True)
     accelerator.end_training()
 
 

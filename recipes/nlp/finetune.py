@@ -18,7 +18,11 @@ is sharded across ranks and so are the adapters; checkpoints hold the adapters a
 
 The run directory ends with config.yaml, ds_config.json, env.json, metrics.jsonl, tb/, checkpoints/, adapter/
 (``adapter_config.json``, ``adapter_model.safetensors``), merged/ (Hugging Face format) and summary.json
-(``val_accuracy`` vs ``base_val_accuracy``). ``resume=true`` continues from checkpoints/latest.
+(``val_accuracy`` vs ``base_val_accuracy``). ``resume=true`` continues from checkpoints/latest. ``--describe`` prints
+what the planning tools need (base model counted from its config.json, DeepSpeed dict) as JSON and trains nothing.
+
+The keys are in ``finetune_config.py``; the model (``build_lora_model``), data, loss, exact match and export are in
+``finetuning.py``, shared with ``finetune_accelerate.py``.
 """
 
 from __future__ import annotations
@@ -28,37 +32,32 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from finetune_config import (
-    DTYPES,
-    FinetuneConfig,
+from finetune_config import DEFAULT_CONFIG, FinetuneConfig
+from finetuning import (
+    FinetuneSummary,
+    SFTData,
+    base_model_config,
     base_module_names,
+    batch_logits,
     build_lora_model,
-    count_params,
+    describe,
     evaluate,
     final_export,
-    load_examples,
     load_plain,
+    load_sft_data,
     load_tokenizer,
     lora_param_groups,
-    parse_args,
-    require_base_model,
+    lr_lambda,
+    make_summary,
+    peak_memory_over_ranks,
     resolve_attention_or_exit,
+    resolve_ds_config,
     score,
     sft_loader,
     sft_loss,
     val_batches,
     write_run_files,
-)
-from recipe_config import (
-    Clock,
-    all_reduce,
-    check_out_dir,
-    initial_val_loss,
-    lr_lambda,
-    model_config,
-    resolve_ds_config,
-    set_threads,
-    summary,
+    write_summary,
 )
 
 from common.accounting import model_state_bytes
@@ -70,15 +69,25 @@ from common.checkpoint import (
     publish_checkpoint,
     tmp_checkpoint_dir,
 )
+from common.config import config_to_dict, parse_recipe_args
+from common.describe import local_world
 from common.errors import ConfigError, exit_on_user_error
-from common.metrics import peak_memory_bytes, throughput
-from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, write_json_atomic
+from common.lint import lint_at_start
+from common.metrics import Clock, all_reduce
+from common.model_folder import check_weight_files
+from common.rundir import (
+    MetricsLog,
+    is_launcher_rank_zero,
+    prepare_run_dir,
+    refuse_existing_out_dir,
+    set_cpu_threads,
+)
 from common.strategy import lightning_trainer_kwargs, make_optimizer
 from nlp.data import DataError
-from nlp.lora import folder_bytes, trainable_parameter_shapes
+from nlp.lora import trainable_parameter_shapes
 from nlp.model import ModelError
-from nlp.task import collate_sft, encode_examples, majority_baseline
 
+# StepSampler starts a resumed run at the checkpoint's step, so the loader *is* resumable; Lightning cannot tell.
 warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated", category=FutureWarning)
 
@@ -86,28 +95,42 @@ warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is depre
 class LoRAFinetune(L.LightningModule):
     """The training step, plus the run's bookkeeping at optimizer-step boundaries (log, evaluate, checkpoint)."""
 
-    def __init__(self, cfg: FinetuneConfig, run: dict) -> None:
+    def __init__(
+        self,
+        cfg: FinetuneConfig,
+        data: SFTData,
+        ds_config: dict,
+        attention: str,
+        module_names: list[str],
+        base_val_accuracy: float | None,
+        start_step: int,
+        clock: Clock,
+    ) -> None:
         super().__init__()
-        self.cfg, self.run = cfg, run
+        self.cfg, self.data, self.ds_config, self.attention = cfg, data, ds_config, attention
+        self.module_names = module_names  # the base's Linear layer names: LoRA's targets are checked against them
+        self.base_val_accuracy = base_val_accuracy  # measured on rank 0 only, before training
+        self.start_step, self.clock = start_step, clock
         self.model = None  # built in configure_model, inside ZeRO-3's partitioned construction
         self.strict_loading = False  # checkpoints leave the frozen base out: it comes from model= on resume
         self.losses: list[torch.Tensor] = []
-        self.clock = Clock()
         self.log_file = MetricsLog(cfg.out_dir, enabled=is_launcher_rank_zero())
-        self.facts: dict = {}
+        self.val_loss = float("nan")
+        self.state_bytes: dict[str, int] = {}  # model states measured after the first step
+        self.summary: FinetuneSummary | None = None  # set on rank 0 in on_train_end; main() writes it
 
     def configure_model(self) -> None:
+        # Lightning runs this inside deepspeed.zero.Init under stage 3, and the strategy keeps an HfDeepSpeedConfig
+        # alive (common/lightning_cpu.py): from_pretrained loads each base weight already sharded.
         if self.model is None:
-            run = self.run
-            self.model = build_lora_model(self.cfg, run["model_config"], run["attention"], run["module_names"])
+            self.model = build_lora_model(self.cfg, self.attention, self.module_names)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        run, world_size = self.run, self.trainer.world_size
-        return sft_loader(run["train"], self.cfg, run["pad_id"], self.global_rank, world_size, run["start_step"], True)
+        return sft_loader(self.data, self.cfg, self.global_rank, self.trainer.world_size, self.start_step, True)
 
     def configure_optimizers(self):
         groups = lora_param_groups(self.model, self.cfg.weight_decay)
-        optimizer = make_optimizer(groups, self.run["ds_config"], lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        optimizer = make_optimizer(groups, self.ds_config, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -117,10 +140,8 @@ class LoRAFinetune(L.LightningModule):
         return loss
 
     def on_train_start(self) -> None:
-        self.val_batches = val_batches(
-            self.run["val_encoded"], self.cfg, self.run["pad_id"], self.global_rank, self.trainer.world_size
-        )
-        if self.run["start_step"] == 0:
+        self.val_batches = val_batches(self.data, self.cfg, self.global_rank, self.trainer.world_size)
+        if self.start_step == 0:
             self.evaluate(0)
         self.clock.skip()
 
@@ -131,8 +152,8 @@ class LoRAFinetune(L.LightningModule):
         self.clock.step_done()
         step_loss = torch.stack(self.losses).mean()  # a tensor: reading it would wait for the device
         self.losses.clear()
-        if step == self.run["start_step"] + 1:
-            self.facts["model_state_bytes"] = model_state_bytes(self.trainer.strategy.model)
+        if step == self.start_step + 1:
+            self.state_bytes = model_state_bytes(self.trainer.strategy.model)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
             loss = all_reduce(step_loss).item() / self.trainer.world_size
@@ -145,9 +166,9 @@ class LoRAFinetune(L.LightningModule):
         self.clock.skip()
 
     def evaluate(self, step: int) -> None:
-        self.facts["val_loss"] = evaluate(self.model, self.val_batches, self.device)
-        self.log_file.log(step, val_loss=self.facts["val_loss"], elapsed_s=self.clock.wall())
-        self.print(f"step {step}: val_loss {self.facts['val_loss']:.4f} ({self.clock.wall():.0f} s)")
+        self.val_loss = evaluate(self.model, self.val_batches, self.device)
+        self.log_file.log(step, val_loss=self.val_loss, elapsed_s=self.clock.wall())
+        self.print(f"step {step}: val_loss {self.val_loss:.4f} ({self.clock.wall():.0f} s)")
 
     def save(self, step: int) -> None:
         # Every rank writes its shards (adapters and their optimizer state only) into a temporary folder.
@@ -160,116 +181,77 @@ class LoRAFinetune(L.LightningModule):
 
     def on_train_end(self) -> None:
         # Collective work first (every rank): logits on a fixed batch, whole weights gathered one at a time.
-        cfg, run, rank, out_dir = self.cfg, self.run, self.global_rank, Path(self.cfg.out_dir)
+        cfg, rank = self.cfg, self.global_rank
         self.model.eval()
-        with torch.no_grad():
-            logits = self.model(
-                input_ids=run["fixed"]["input_ids"].to(self.device),
-                attention_mask=run["fixed"]["attention_mask"].to(self.device),
-                use_cache=False,
-            ).logits.float()
+        logits = batch_logits(self.model, self.data.fixed_batch, self.device)
         shapes = trainable_parameter_shapes(self.model)
         state = gather_full_state_dict(self.model, rank)
-        peak = int(all_reduce(torch.tensor(float(peak_memory_bytes()), device=self.device), "max").item())
+        peak = peak_memory_over_ranks(self.device)
         if rank == 0:
-            dtype = DTYPES[cfg.precision]
-            exported = final_export(
-                self.model, state, shapes, run["tokenizer"], out_dir, run["fixed"], logits.cpu(),
-                run["val"], cfg, run["attention"], dtype,
-            )  # fmt: skip
-            self.facts["summary"] = self.summary(peak, exported)
+            export = final_export(cfg, self.model, state, shapes, self.data, logits.cpu(), self.attention)
+            self.summary = make_summary(
+                cfg,
+                self.ds_config,
+                self.model,
+                self.data,
+                export,
+                backend="lightning",
+                world_size=self.trainer.world_size,
+                attention=self.attention,
+                steps=self.trainer.global_step,
+                val_loss=self.val_loss,
+                median_step_s=self.clock.median_step(),
+                peak_memory=peak,
+                state_bytes=self.state_bytes,
+                base_val_accuracy=self.base_val_accuracy,
+                wall_time_s=round(self.clock.wall(), 1),
+            )
         self.log_file.close()
         self.trainer.strategy.barrier()
-
-    def summary(self, peak: int, exported: dict) -> dict:
-        cfg, run = self.cfg, self.run
-        samples_per_s = cfg.micro_batch_size * cfg.grad_accum / self.clock.median_step()
-        trainable, total = count_params(self.model)
-        measured = self.facts.get("model_state_bytes", {})
-        checkpoint_bytes = folder_bytes([latest_checkpoint(cfg.out_dir)])
-        return summary(
-            cfg,
-            run["ds_config"],
-            val_loss=self.facts["val_loss"],
-            initial_val_loss=initial_val_loss(Path(cfg.out_dir)),
-            throughput=throughput(samples_per_s, "samples/s/device"),
-            mfu=None,
-            peak_memory_bytes=peak,
-            model_state_bytes_per_rank=measured.get("model_states"),
-            wall_time_s=None,
-            world_size=self.trainer.world_size,
-            attention=run["attention"],
-            backend="lightning",
-            steps=self.trainer.global_step,
-            trainable_params=trainable,
-            total_params=total,
-            checkpoint_bytes=checkpoint_bytes,
-            # A full-parameter ZeRO checkpoint of the same model holds 2 B of weights + 12 B of fp32 Adam state each.
-            checkpoint_fraction_of_full=checkpoint_bytes / (14 * total),
-            base_val_accuracy=run["base_val_accuracy"],
-            majority_baseline_accuracy=run["majority_baseline"],
-            accuracy_gain=exported["val_accuracy"] - max(run["base_val_accuracy"], run["majority_baseline"]),
-            activation_checkpointing=cfg.activation_checkpointing,
-            model_state_bytes_measured=measured,
-            **exported,
-        )
 
 
 @exit_on_user_error(DataError, ModelError)
 def main() -> None:
-    cfg = parse_args()
-    require_base_model(cfg)
+    cfg = parse_recipe_args(FinetuneConfig, DEFAULT_CONFIG, describe=describe)
     clock = Clock()
+    config = base_model_config(cfg)
+    check_weight_files(cfg.pretrained)  # a truncated *.safetensors: one line naming it, not a traceback
     on_gpu = torch.cuda.is_available()
-    devices = cfg.devices or (torch.cuda.device_count() if on_gpu else 2)
-    world_size = devices * cfg.num_nodes
-    set_threads(devices)
+    devices, num_nodes = local_world(cfg.devices, cfg.num_nodes)
+    world_size = devices * num_nodes
+    set_cpu_threads(devices)
     # Lightning starts ranks 1.. at trainer.fit by re-running this script: rank 0 alone checks and writes first.
     rank0 = is_launcher_rank_zero()
     out_dir = Path(cfg.out_dir)
     if rank0:
-        check_out_dir(cfg)
-    tokenizer = load_tokenizer(cfg)
-    train, val = load_examples(cfg)
-    config = model_config(cfg, tokenizer)
+        refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)
+    tokenizer = load_tokenizer(cfg, config)
+    data = load_sft_data(cfg, tokenizer)
     module_names = base_module_names(cfg, config)
     attention = resolve_attention_or_exit(cfg, "cuda" if on_gpu else "cpu")
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
+    # The guides' pitfalls, checked before any work (printed on rank 0; errors refuse the run).
+    lint_at_start(ds_config, config_to_dict(cfg), hidden_size=config.hidden_size, world_size=world_size)
     base_val_accuracy = None
     if rank0:
         prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
         write_run_files(cfg, out_dir, ds_config, world_size, "gpu" if on_gpu else "cpu")
-        print(f"data: {len(train)} train / {len(val)} held-out examples ({cfg.data}); attention: {attention}")
+        print(f"data: {len(data.train)} train / {len(data.val)} held-out examples ({cfg.data}); attention: {attention}")
         # The base model's score, on rank 0 before the other ranks start (a whole copy, no ZeRO yet).
-        base_val_accuracy = score(load_plain(cfg, attention), tokenizer, val, cfg)
+        base_val_accuracy = score(load_plain(cfg, attention), tokenizer, data.val, cfg)
         print(f"base model exact match on the held-out set: {base_val_accuracy:.3f}", flush=True)
     latest = latest_checkpoint(out_dir) if cfg.resume else None
     if cfg.resume and latest is None:
         raise ConfigError(f"resume=true but {out_dir}/{CHECKPOINTS} holds no complete checkpoint")
-    val_encoded = encode_examples(val, tokenizer, cfg.seq_len)
+    start_step = checkpoint_step(latest) if latest else 0
 
-    run = {
-        "model_config": config,
-        "module_names": module_names,
-        "attention": attention,
-        "ds_config": ds_config,
-        "tokenizer": tokenizer,
-        "pad_id": tokenizer.pad_token_id,
-        "train": encode_examples(train, tokenizer, cfg.seq_len),
-        "val": val,
-        "val_encoded": val_encoded,
-        "fixed": collate_sft(val_encoded[:4], tokenizer.pad_token_id),
-        "base_val_accuracy": base_val_accuracy,
-        "majority_baseline": majority_baseline(val),
-        "start_step": checkpoint_step(latest) if latest else 0,
-    }
-    module = LoRAFinetune(cfg, run)
+    module = LoRAFinetune(cfg, data, ds_config, attention, module_names, base_val_accuracy, start_step, clock)
     trainer_kwargs = lightning_trainer_kwargs(ds_config)
     trainer_kwargs["strategy"].exclude_frozen_parameters = True  # the frozen base is model=, not checkpoint state
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=devices,
-        num_nodes=cfg.num_nodes,
+        num_nodes=num_nodes,
         max_steps=cfg.max_steps,
         use_distributed_sampler=False,  # StepSampler shards by rank itself
         logger=False,  # metrics.jsonl and tb/ are written by the module
@@ -281,16 +263,8 @@ def main() -> None:
     )
     trainer.fit(module, ckpt_path=str(latest) if latest else None)
 
-    if trainer.is_global_zero and "summary" in module.facts:
-        result = module.facts["summary"]
-        result["wall_time_s"] = round(clock.wall(), 1)
-        write_json_atomic(out_dir / "summary.json", result)
-        print(
-            f"exact match {result['val_accuracy']:.3f} (base {result['base_val_accuracy']:.3f}, majority answer "
-            f"{result['majority_baseline_accuracy']:.3f}); val_loss {result['val_loss']:.4f}; "
-            f"{result['trainable_params']:,} trainable of {result['total_params']:,}; "
-            f"wall {result['wall_time_s']:.0f} s; run directory {out_dir}"
-        )
+    if trainer.is_global_zero and module.summary is not None:
+        write_summary(out_dir, module.summary)
 
 
 if __name__ == "__main__":

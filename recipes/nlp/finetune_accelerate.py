@@ -21,36 +21,30 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from finetune_config import (
-    DTYPES,
+from finetune_config import DEFAULT_CONFIG, FinetuneConfig
+from finetuning import (
+    base_model_config,
     base_module_names,
+    batch_logits,
     build_lora_model,
-    count_params,
+    describe,
     evaluate,
     final_export,
-    load_examples,
     load_plain,
+    load_sft_data,
     load_tokenizer,
     lora_param_groups,
-    parse_args,
-    require_base_model,
+    lr_lambda,
+    make_summary,
+    peak_memory_over_ranks,
     resolve_attention_or_exit,
+    resolve_ds_config,
     score,
     sft_loader,
     sft_loss,
     val_batches,
     write_run_files,
-)
-from recipe_config import (
-    Clock,
-    all_reduce,
-    check_out_dir,
-    initial_val_loss,
-    lr_lambda,
-    model_config,
-    resolve_ds_config,
-    set_threads,
-    summary,
+    write_summary,
 )
 from tqdm.auto import tqdm
 
@@ -63,14 +57,16 @@ from common.checkpoint import (
     publish_checkpoint,
     tmp_checkpoint_dir,
 )
+from common.config import config_to_dict, parse_recipe_args
 from common.errors import ConfigError, exit_on_user_error
-from common.metrics import peak_memory_bytes, throughput
-from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, write_json_atomic
+from common.lint import lint_at_start
+from common.metrics import Clock, all_reduce
+from common.model_folder import check_weight_files
+from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads
 from common.strategy import accelerator_kwargs, make_optimizer
 from nlp.data import DataError
-from nlp.lora import folder_bytes, trainable_parameter_shapes
+from nlp.lora import trainable_parameter_shapes
 from nlp.model import ModelError
-from nlp.task import collate_sft, encode_examples, majority_baseline
 
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated", category=FutureWarning)
 
@@ -86,35 +82,37 @@ def save_checkpoint(accelerator: Accelerator, out_dir: Path, step: int) -> None:
 
 @exit_on_user_error(DataError, ModelError)
 def main() -> None:
-    cfg = parse_args()
-    require_base_model(cfg)
+    cfg = parse_recipe_args(FinetuneConfig, DEFAULT_CONFIG, describe=describe)
     clock = Clock()
+    config = base_model_config(cfg)
+    check_weight_files(cfg.pretrained)  # a truncated *.safetensors: one line naming it, not a traceback
     out_dir = Path(cfg.out_dir)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if is_launcher_rank_zero():  # rank 0 creates out_dir below, before the ranks meet: only it may judge it
-        check_out_dir(cfg)
+        refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)
     on_gpu = torch.cuda.is_available()
 
     # --- checks, data and the base model's score: before any process group, rank 0 writes and scores alone ---
-    tokenizer = load_tokenizer(cfg)
-    train, val = load_examples(cfg)
-    config = model_config(cfg, tokenizer)
+    tokenizer = load_tokenizer(cfg, config)
+    data = load_sft_data(cfg, tokenizer)
     module_names = base_module_names(cfg, config)
     attention = resolve_attention_or_exit(cfg, "cuda" if on_gpu else "cpu")
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
+    # The guides' pitfalls, checked before any work (printed on rank 0; errors refuse the run).
+    lint_at_start(ds_config, config_to_dict(cfg), hidden_size=config.hidden_size, world_size=world_size)
     base_val_accuracy = None
     if is_launcher_rank_zero():
         prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
         write_run_files(cfg, out_dir, ds_config, world_size, "gpu" if on_gpu else "cpu")
-        print(f"data: {len(train)} train / {len(val)} held-out examples ({cfg.data}); attention: {attention}")
-        base_val_accuracy = score(load_plain(cfg, attention), tokenizer, val, cfg)
+        print(f"data: {len(data.train)} train / {len(data.val)} held-out examples ({cfg.data}); attention: {attention}")
+        base_val_accuracy = score(load_plain(cfg, attention), tokenizer, data.val, cfg)
         print(f"base model exact match on the held-out set: {base_val_accuracy:.3f}", flush=True)
 
     # --- DeepSpeed through Accelerate; ZeRO-3's partitioned construction is on from here ---
     accelerator = Accelerator(**accelerator_kwargs(ds_config))
     rank, device, main_process = accelerator.process_index, accelerator.device, accelerator.is_main_process
-    model = build_lora_model(cfg, config, attention, module_names)
+    model = build_lora_model(cfg, attention, module_names)
     optimizer = make_optimizer(
         lora_param_groups(model, cfg.weight_decay), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay
     )
@@ -130,27 +128,22 @@ def main() -> None:
         accelerator.load_state(str(latest), load_module_strict=False)  # the frozen base comes from model=
         start_step = checkpoint_step(latest)
         accelerator.print(f"resumed from {latest} (step {start_step})")
-    pad_id = tokenizer.pad_token_id
-    loader = sft_loader(
-        encode_examples(train, tokenizer, cfg.seq_len), cfg, pad_id, rank, world_size, start_step, False
-    )
-    val_encoded = encode_examples(val, tokenizer, cfg.seq_len)
-    held_out = val_batches(val_encoded, cfg, pad_id, rank, world_size)
+    loader = sft_loader(data, cfg, rank, world_size, start_step, False)
+    held_out = val_batches(data, cfg, rank, world_size)
     log = MetricsLog(out_dir, enabled=main_process)
-    facts: dict = {}
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not main_process, dynamic_ncols=True)
 
-    def run_eval(step: int) -> None:
-        facts["val_loss"] = evaluate(engine, held_out, device)
-        log.log(step, val_loss=facts["val_loss"], elapsed_s=clock.wall())
+    def run_eval(step: int) -> float:
+        val_loss = evaluate(engine, held_out, device)
+        log.log(step, val_loss=val_loss, elapsed_s=clock.wall())
         if main_process:
-            bar.write(f"step {step}: val_loss {facts['val_loss']:.4f} ({clock.wall():.0f} s)")
+            bar.write(f"step {step}: val_loss {val_loss:.4f} ({clock.wall():.0f} s)")
+        return val_loss
 
     # --- training ---
-    if start_step == 0:
-        run_eval(0)
+    val_loss = run_eval(0) if start_step == 0 else float("nan")
     engine.train()
-    step, losses = start_step, []
+    step, losses, state_bytes = start_step, [], {}
     clock.skip()
     for batch in loader:
         with accelerator.accumulate(engine):
@@ -168,14 +161,14 @@ def main() -> None:
         losses.clear()
         bar.update(1)
         if step == start_step + 1:
-            facts["model_state_bytes"] = model_state_bytes(engine)
+            state_bytes = model_state_bytes(engine)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
             mean_loss = all_reduce(step_loss).item() / world_size
             bar.set_postfix(loss=f"{mean_loss:.3f}")
             log.log(step, train_loss=mean_loss, lr=cfg.lr * lr_lambda(cfg)(step - 1), elapsed_s=clock.wall())
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
-            run_eval(step)
+            val_loss = run_eval(step)
             engine.train()
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             save_checkpoint(accelerator, out_dir, step)
@@ -183,54 +176,31 @@ def main() -> None:
     bar.close()
 
     # --- export: logits on a fixed batch and whole weights (collective), then adapter/, merged/ on rank 0 ---
-    fixed = collate_sft(val_encoded[:4], pad_id)
     engine.eval()
-    with torch.no_grad():
-        logits = engine(
-            input_ids=fixed["input_ids"].to(device), attention_mask=fixed["attention_mask"].to(device), use_cache=False
-        ).logits.float()
+    logits = batch_logits(engine, data.fixed_batch, device)
     shapes = trainable_parameter_shapes(engine.module)
-    trainable, total = count_params(engine.module)
     state = gather_full_state_dict(engine.module, rank)
-    peak = int(all_reduce(torch.tensor(float(peak_memory_bytes()), device=device), "max").item())
+    peak = peak_memory_over_ranks(device)
     if main_process:
-        exported = final_export(
-            engine.module, state, shapes, tokenizer, out_dir, fixed, logits.cpu(), val, cfg, attention,
-            DTYPES[cfg.precision],
-        )  # fmt: skip
-        measured = facts.get("model_state_bytes", {})
-        checkpoint_bytes = folder_bytes([latest_checkpoint(out_dir)])
-        result = summary(
+        export = final_export(cfg, engine.module, state, shapes, data, logits.cpu(), attention)
+        summary = make_summary(
             cfg,
             ds_config,
-            val_loss=facts["val_loss"],
-            initial_val_loss=initial_val_loss(out_dir),
-            throughput=throughput(cfg.micro_batch_size * cfg.grad_accum / clock.median_step(), "samples/s/device"),
-            mfu=None,
-            peak_memory_bytes=peak,
-            model_state_bytes_per_rank=measured.get("model_states"),
-            wall_time_s=round(clock.wall(), 1),
+            engine.module,
+            data,
+            export,
+            backend="accelerate",
             world_size=world_size,
             attention=attention,
-            backend="accelerate",
             steps=step,
-            trainable_params=trainable,
-            total_params=total,
-            checkpoint_bytes=checkpoint_bytes,
-            checkpoint_fraction_of_full=checkpoint_bytes / (14 * total),  # full: 2 B weights + 12 B Adam state each
+            val_loss=val_loss,
+            median_step_s=clock.median_step(),
+            peak_memory=peak,
+            state_bytes=state_bytes,
             base_val_accuracy=base_val_accuracy,
-            majority_baseline_accuracy=majority_baseline(val),
-            accuracy_gain=exported["val_accuracy"] - max(base_val_accuracy, majority_baseline(val)),
-            activation_checkpointing=cfg.activation_checkpointing,
-            model_state_bytes_measured=measured,
-            **exported,
+            wall_time_s=round(clock.wall(), 1),
         )
-        write_json_atomic(out_dir / "summary.json", result)
-        print(
-            f"exact match {result['val_accuracy']:.3f} (base {base_val_accuracy:.3f}, majority answer "
-            f"{result['majority_baseline_accuracy']:.3f}); val_loss {result['val_loss']:.4f}; "
-            f"{trainable:,} trainable of {total:,}; wall {result['wall_time_s']:.0f} s; run directory {out_dir}"
-        )
+        write_summary(out_dir, summary)
     log.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()

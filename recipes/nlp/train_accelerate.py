@@ -12,11 +12,14 @@ Launch, from the repository root:
 ``accelerate.yaml`` + ``ds_config.json`` are the factory's output for the default config on 2 processes; the
 script builds its DeepSpeed plugin from the same factory (``common.strategy.accelerator_kwargs``), so a changed
 ``micro_batch_size`` or ``preset`` needs no edit of either file. Keys, run directory and ``summary.json`` are
-those of train.py (``--print-config`` lists the keys).
+those of train.py (``--print-config`` lists the keys; ``--describe`` prints what the planning tools read). The
+config's keys are in ``nlp_config.py``; the data, the model (``build_model``), the loss, the evaluation, the run
+files and the summary in ``pretraining.py``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from datetime import timedelta
@@ -24,17 +27,15 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from recipe_config import (
-    Clock,
-    all_reduce,
+from nlp_config import DEFAULT_CONFIG, NLPConfig  # next to this script
+from pretraining import (  # next to this script: data, model, loss, evaluation, run files, summary
     build_model,
-    check_out_dir,
+    describe,
     eval_batches,
     evaluate,
-    final_export,
+    finish,
     held_param_elements,
     hidden_size,
-    initial_val_loss,
     lm_loss,
     load_data,
     lr_lambda,
@@ -43,11 +44,7 @@ from recipe_config import (
     model_config,
     param_groups,
     param_sizes,
-    parse_args,
-    plan_text,
     resolve_ds_config,
-    set_threads,
-    summary,
     tokenizer_source,
     train_loader,
     write_run_files,
@@ -55,10 +52,10 @@ from recipe_config import (
 from tqdm.auto import tqdm
 
 from common.accounting import model_state_bytes
-from common.checkpoint import gather_full_state_dict, publish_checkpoint, tmp_checkpoint_dir
-from common.config import config_to_dict
+from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
-from common.metrics import gpu_peak_flops, mfu, peak_memory_bytes, throughput
+from common.metrics import Clock, all_reduce
 from common.resume import (
     find_resume_point,
     mark_universal,
@@ -66,12 +63,11 @@ from common.resume import (
     prepare_resume,
     with_universal_load,
 )
-from common.rundir import MetricsLog, prepare_run_dir, write_json_atomic
-from common.strategy import accelerator_kwargs, make_optimizer
+from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
+from common.strategy import accelerator_kwargs, make_optimizer, torch_dtype
 from nlp.data import DataError
-from nlp.model import ModelError, flops_per_token, resolve_attention
+from nlp.model import ModelError, resolve_attention
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated", category=FutureWarning)
 
 
@@ -86,12 +82,13 @@ def save_checkpoint(accelerator: Accelerator, out_dir: Path, step: int) -> None:
 
 @exit_on_user_error(DataError, ModelError)
 def main() -> None:
-    cfg = parse_args()
+    cfg = parse_recipe_args(NLPConfig, DEFAULT_CONFIG, describe=describe)
     clock = Clock()
     out_dir = Path(cfg.out_dir)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    check_out_dir(cfg)  # every rank sees the same folder, so every rank stops with the same one-line error
+    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    # Every rank sees the same folder, so every rank stops with the same one-line error.
+    refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)
     # A different model or config, no complete checkpoint: refused here; another world size: a universal checkpoint.
     resume = find_resume_point(out_dir, config_to_dict(cfg), world_size) if cfg.resume else None
     start_step = resume.step if resume else 0
@@ -118,14 +115,14 @@ def main() -> None:
 
     # --- model: built inside zero.Init (the plugin's zero3_init_flag), so no rank holds it whole ---
     config = model_config(cfg, data.tokenizer)
-    attention = resolve_attention(cfg.attention, device.type, DTYPES[cfg.precision])
+    attention = resolve_attention(cfg.attention, device.type, torch_dtype(cfg.precision))
     model = build_model(cfg, config, attention)
     mark_universal(model)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
     held = held_param_elements(model)
     plan = memory_plan(param_sizes(model), ds_config, world_size)
     if main_process:
-        print(plan_text(plan))
-        print(f"after construction rank 0 holds {held:,} of {plan['num_params']:,} parameter elements", flush=True)
+        print(plan.text())
+        print(f"after construction rank 0 holds {held:,} of {plan.num_params:,} parameter elements", flush=True)
     optimizer = make_optimizer(
         param_groups(model, cfg.weight_decay), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay
     )
@@ -141,23 +138,23 @@ def main() -> None:
     loader = train_loader(data, cfg, rank, world_size, start_step)
     val_batches = eval_batches(data, cfg, rank, world_size)
     log = MetricsLog(out_dir, enabled=main_process)
-    facts: dict = {}
-
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not main_process, dynamic_ncols=True)
+    val_loss, model_states = math.nan, {}
 
     def say(text: str) -> None:  # rank 0 only, without breaking the progress bar
         if main_process:
             bar.write(text)
 
-    def run_eval(step: int) -> None:
-        facts["val_loss"] = evaluate(engine, val_batches, device)
-        log.log(step, val_loss=facts["val_loss"], elapsed_s=clock.wall())
-        say(f"step {step}: val_loss {facts['val_loss']:.4f} ({clock.wall():.0f} s)")
+    def run_eval(step: int) -> float:
+        loss = evaluate(engine, val_batches, device)
+        log.log(step, val_loss=loss, elapsed_s=clock.wall())
+        say(f"step {step}: val_loss {loss:.4f} ({clock.wall():.0f} s)")
+        return loss
 
     # --- training ---
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len  # per device
     if start_step == 0:
-        run_eval(0)
+        val_loss = run_eval(0)
     engine.train()
     step, losses = start_step, []
     clock.skip()
@@ -177,8 +174,8 @@ def main() -> None:
         losses.clear()
         bar.update(1)
         if step == start_step + 1:
-            facts["model_state_bytes"] = model_state_bytes(engine)
-            say(measured_text(facts["model_state_bytes"]))
+            model_states = model_state_bytes(engine)
+            say(measured_text(model_states))
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
             mean_loss = all_reduce(step_loss).item() / world_size
@@ -191,7 +188,7 @@ def main() -> None:
                 elapsed_s=clock.wall(),
             )
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
-            run_eval(step)
+            val_loss = run_eval(step)
             engine.train()
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             save_checkpoint(accelerator, out_dir, step)
@@ -199,46 +196,28 @@ def main() -> None:
     bar.close()
 
     # --- export: logits on a fixed batch and whole weights (collective), then final/ and its check on rank 0 ---
-    fixed = data.val.blocks[:2]
-    engine.eval()
-    with torch.no_grad():
-        logits = engine(input_ids=fixed[:, :-1].to(device), use_cache=False).logits.float().cpu()
-    state = gather_full_state_dict(engine.module, rank)
-    peak = int(all_reduce(torch.tensor(float(peak_memory_bytes()), device=device), "max").item())
-    if main_process:
-        exported = final_export(engine.module, state, data.tokenizer, out_dir, fixed, logits, cfg, attention, device)
-        tokens_per_s = tokens_per_step / clock.median_step()
-        measured = facts.get("model_state_bytes", {})
-        result = summary(
-            cfg,
-            ds_config,
-            val_loss=facts["val_loss"],
-            initial_val_loss=initial_val_loss(out_dir),
-            throughput=throughput(tokens_per_s, "tokens/s/device"),
-            mfu=mfu(tokens_per_s, flops_per_token(config, cfg.seq_len), gpu_peak_flops()),
-            peak_memory_bytes=peak,
-            model_state_bytes_per_rank=measured.get("model_states"),
-            wall_time_s=round(clock.wall(), 1),
-            world_size=world_size,
-            attention=attention,
-            backend="accelerate",
-            steps=step,
-            tokens_per_step=tokens_per_step * world_size,
-            median_step_s=round(clock.median_step(), 4),
-            model_state_bytes_measured=measured,
-            memory_plan=plan,
-            params_at_construction={"elements_on_rank0": held, "num_params": plan["num_params"]},
-            data=data.info(),
-            **exported,
-        )
-        write_json_atomic(out_dir / "summary.json", result)
-        print(f"sample: {result['sample']!r}")
-        print(
-            f"val_loss {result['val_loss']:.4f} (step 0: {result['initial_val_loss']:.4f}, ratio "
-            f"{result['val_loss_ratio']:.3f}); {tokens_per_s:.0f} tokens/s/device; "
-            f"wall {result['wall_time_s']:.0f} s; run directory {out_dir}"
-        )
+    summary = finish(
+        cfg,
+        ds_config,
+        engine.module,
+        data,
+        config,
+        attention,
+        device,
+        rank,
+        world_size,
+        clock,
+        backend="accelerate",
+        steps=step,
+        val_loss=val_loss,
+        model_states=model_states,
+        plan=plan,
+        held_at_construction=held,
+    )
     log.close()
+    if summary is not None:
+        write_json_atomic(out_dir / "summary.json", summary.to_json())
+        print(summary.headline(out_dir), flush=True)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

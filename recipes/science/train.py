@@ -18,6 +18,10 @@ paper's relative L2 error on held-out pairs, and the model is also tested zero-s
     python recipes/science/train.py out_dir=runs/science resume=true max_steps=3000
     python recipes/science/train.py precision=fp32 out_dir=runs/science-fp32
     python recipes/science/train.py --print-config
+    python recipes/science/train.py --describe        # what the planning tools read, no training
+
+The config's keys are in ``science_config.py``; the data, the model (``build_model``), the evaluation and the run
+files in ``operator_learning.py``, shared with ``train_accelerate.py``.
 """
 
 from __future__ import annotations
@@ -27,36 +31,48 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from recipe_config import (  # next to this script
-    Clock,
-    ScienceConfig,
+from operator_learning import (  # next to this script: data, model, evaluation, run files, summary
+    Pairs,
+    ScienceSummary,
     build_model,
+    describe,
     evaluate,
     finish,
     load_data,
     lr_lambda,
-    parse_args,
     resolve_ds_config,
-    set_threads,
     train_loader,
     write_run_files,
 )
+from science_config import DEFAULT_CONFIG, ScienceConfig
 
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
-from common.config import config_to_dict
+from common.config import config_to_dict, parse_recipe_args
+from common.describe import local_world
 from common.errors import exit_on_user_error
+from common.metrics import Clock
 from common.resume import find_resume_point, mark_universal, prepare_resume, with_universal_load
-from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir
+from common.rundir import (
+    MetricsLog,
+    is_launcher_rank_zero,
+    prepare_run_dir,
+    refuse_existing_out_dir,
+    set_cpu_threads,
+    write_json_atomic,
+)
 from common.strategy import lightning_trainer_kwargs, make_optimizer
 from science.burgers import DataError
 from science.fno import relative_l2
 
 
 class BurgersFNO(L.LightningModule):
-    """FNO-1D trained on the relative L2 loss; logs, evaluates and checkpoints after each optimizer step."""
+    """FNO-1D trained on the relative L2 loss; logs, evaluates and checkpoints after each optimizer step.
+
+    ``summary`` holds the run's summary on global rank 0 once training has ended; ``main()`` writes it.
+    """
 
     def __init__(
-        self, cfg: ScienceConfig, data: dict, superres: dict | None, out_dir: Path, start_step: int, clock: Clock
+        self, cfg: ScienceConfig, data: Pairs, superres: Pairs | None, out_dir: Path, start_step: int, clock: Clock
     ) -> None:
         super().__init__()
         self.cfg, self.out_dir, self.start_step, self.clock = cfg, out_dir, start_step, clock
@@ -68,19 +84,18 @@ class BurgersFNO(L.LightningModule):
         self.losses: list[torch.Tensor] = []
         self.step_lr = 0.0
         self.last_step = start_step
+        self.summary: ScienceSummary | None = None
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return self.net(u)
 
     def on_fit_start(self) -> None:
-        for key in ("x_train", "y_train", "x_test", "y_test"):
-            self.data[key] = self.data[key].to(self.device)
+        self.data = self.data.to(self.device)
         self.metrics = MetricsLog(self.out_dir, enabled=self.global_rank == 0)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return train_loader(
-            len(self.data["x_train"]), self.cfg, self.global_rank, self.trainer.world_size, self.start_step
-        )
+        rank, world_size = self.global_rank, self.trainer.world_size
+        return train_loader(len(self.data.x_train), self.cfg, rank, world_size, self.start_step)
 
     def configure_optimizers(self) -> dict:
         cfg = self.cfg
@@ -96,13 +111,10 @@ class BurgersFNO(L.LightningModule):
 
     def training_step(self, idx: torch.Tensor, batch_idx: int) -> torch.Tensor:
         idx = idx.to(self.device)
-        loss = relative_l2(self(self.data["x_train"][idx]), self.data["y_train"][idx])
+        loss = relative_l2(self(self.data.x_train[idx]), self.data.y_train[idx])
         self.losses.append(loss.detach())
         self.step_lr = self.trainer.optimizers[0].param_groups[0]["lr"]  # the lr this step's update uses
         return loss
-
-    def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.trainer.strategy.reduce(tensor, reduce_op="sum")
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         step = self.trainer.global_step
@@ -117,15 +129,9 @@ class BurgersFNO(L.LightningModule):
             self.metrics.log(step, train_rel_l2=loss, lr=self.step_lr)
             self.log("rel_l2", loss, prog_bar=True)
             self.losses.clear()
-        if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in on_train_end
-            error = evaluate(
-                self.net,
-                self.data["x_test"],
-                self.data["y_test"],
-                self.global_rank,
-                self.trainer.world_size,
-                self._reduce_sum,
-            )
+        if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()
+            rank, world_size = self.global_rank, self.trainer.world_size
+            error = evaluate(self.net, self.data.x_test, self.data.y_test, rank, world_size)
             self.metrics.log(step, val_rel_l2=error)
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
@@ -137,8 +143,8 @@ class BurgersFNO(L.LightningModule):
         self.clock.skip()
 
     def on_train_end(self) -> None:
-        """Final evaluation (also at 4x resolution), figures, exported weights, summary.json."""
-        finish(
+        """Final evaluation (also at the finer grid), figures and exported weights; the summary is kept for main()."""
+        self.summary = finish(
             self.cfg,
             self.trainer.strategy.config,
             self.trainer.strategy.model,
@@ -147,31 +153,29 @@ class BurgersFNO(L.LightningModule):
             self.superres,
             self.global_rank,
             self.trainer.world_size,
-            self._reduce_sum,
             self.clock,
             self.metrics,
-            self.out_dir,
             backend="lightning",
             steps=self.trainer.global_step,
-            resumed_from_step=self.start_step or None,
+            start_step=self.start_step,
         )
 
 
 @exit_on_user_error(DataError)
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
+def main() -> None:
+    cfg = parse_recipe_args(ScienceConfig, DEFAULT_CONFIG, describe=describe)
     clock = Clock()
     on_gpu = torch.cuda.is_available()
-    devices = cfg.devices or (torch.cuda.device_count() if on_gpu else 2)
-    world_size = devices * cfg.num_nodes
-    set_threads(devices)
+    devices, num_nodes = local_world(cfg.devices, cfg.num_nodes)
+    world_size = devices * num_nodes
+    set_cpu_threads(devices)
     ds_config = resolve_ds_config(cfg, world_size)  # bad preset / DeepSpeed key / fp16: refused before any work
     out_dir = Path(cfg.out_dir)
     # Lightning starts the other local ranks inside trainer.fit by re-running this script: by then rank 0
     # has prepared the run directory and the data cache, so the other ranks only read them.
     rank_zero = is_launcher_rank_zero()
-    if rank_zero and (cfg.resume or (out_dir.exists() and not cfg.overwrite)):
-        prepare_run_dir(out_dir, resume=cfg.resume)  # refuses an existing out_dir before any work
+    if rank_zero:
+        refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)  # before any work
     # A different model or config, no complete checkpoint: refused here; another world size: a universal checkpoint.
     resume = find_resume_point(out_dir, config_to_dict(cfg), world_size) if cfg.resume else None
     start_step = resume.step if resume else 0
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=devices,
-        num_nodes=cfg.num_nodes,
+        num_nodes=num_nodes,
         max_steps=cfg.max_steps,
         logger=False,  # metrics.jsonl + TensorBoard come from common.rundir.MetricsLog
         enable_checkpointing=False,  # checkpoints are saved and published in on_train_batch_end
@@ -201,6 +205,10 @@ def main(argv: list[str] | None = None) -> None:
         ),
     )
     trainer.fit(module, ckpt_path=str(resume.load_path) if resume else None)
+
+    if trainer.is_global_zero and module.summary is not None:
+        write_json_atomic(out_dir / "summary.json", module.summary.to_json())
+        print(module.summary.headline(out_dir), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,46 +23,40 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from recipe_config import (  # next to this script
-    Clock,
+from operator_learning import (  # next to this script: data, model, evaluation, run files, summary
     build_model,
+    describe,
     evaluate,
     finish,
     load_data,
     lr_lambda,
-    parse_args,
     resolve_ds_config,
-    set_threads,
     train_loader,
     write_run_files,
 )
+from science_config import DEFAULT_CONFIG, ScienceConfig
 from tqdm.auto import tqdm
 
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
-from common.config import config_to_dict
+from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
-from common.resume import (
-    find_resume_point,
-    mark_universal,
-    param_groups_kept,
-    prepare_resume,
-    with_universal_load,
-)
-from common.rundir import MetricsLog, prepare_run_dir
+from common.metrics import Clock
+from common.resume import find_resume_point, mark_universal, param_groups_kept, prepare_resume, with_universal_load
+from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
 from common.strategy import accelerator_kwargs, make_optimizer
 from science.burgers import DataError
 from science.fno import relative_l2
 
 
 @exit_on_user_error(DataError)
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
+def main() -> None:
+    cfg = parse_recipe_args(ScienceConfig, DEFAULT_CONFIG, describe=describe)
     clock = Clock()
-    set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    ds_config = resolve_ds_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fp16, bad keys: refused here
+    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     out_dir, world_size = Path(cfg.out_dir), int(os.environ.get("WORLD_SIZE", 1))
-    if int(os.environ.get("RANK", 0)) == 0 and (cfg.resume or (out_dir.exists() and not cfg.overwrite)):
-        prepare_run_dir(out_dir, resume=cfg.resume)  # refuses an existing out_dir before any work
+    ds_config = resolve_ds_config(cfg, world_size)  # bad preset / DeepSpeed key / fp16: refused before any work
+    if int(os.environ.get("RANK", 0)) == 0:
+        refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)  # before any work
     # A different model or config, no complete checkpoint: refused here; another world size: a universal checkpoint.
     resume = find_resume_point(out_dir, config_to_dict(cfg), world_size) if cfg.resume else None
     start_step = resume.step if resume else 0
@@ -82,9 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         if resume:  # the other ranks wait below (a universal conversion counts against collective_timeout_s)
             prepare_resume(resume, config_to_dict(cfg))
     accelerator.wait_for_everyone()
-    for key in ("x_train", "y_train", "x_test", "y_test"):
-        data[key] = data[key].to(accelerator.device)  # fp32: DeepSpeed bf16 casts the model, not the data
-    x_train, y_train = data["x_train"], data["y_train"]
+    data = data.to(accelerator.device)  # fp32: DeepSpeed bf16 casts the model, not the data
+    x_train, y_train = data.x_train, data.y_train
 
     net = build_model(cfg)
     mark_universal(net)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
@@ -126,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             bar.set_postfix(rel_l2=f"{mean_loss:.4f}")
             losses.clear()
         if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()
-            error = evaluate(model, data["x_test"], data["y_test"], rank, world_size, _reduce_sum(accelerator))
+            error = evaluate(model, data.x_test, data.y_test, rank, world_size)
             metrics.log(step, val_rel_l2=error)
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
@@ -138,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         clock.skip()
     bar.close()
 
-    finish(
+    summary = finish(
         cfg,
         ds_config,
         model,
@@ -147,19 +140,16 @@ def main(argv: list[str] | None = None) -> None:
         superres,
         rank,
         world_size,
-        _reduce_sum(accelerator),
         clock,
         metrics,
-        out_dir,
         backend="accelerate",
         steps=step,
-        resumed_from_step=start_step or None,
+        start_step=start_step,
     )
+    if summary is not None:  # rank 0
+        write_json_atomic(out_dir / "summary.json", summary.to_json())
+        print(summary.headline(out_dir), flush=True)
     accelerator.end_training()
-
-
-def _reduce_sum(accelerator: Accelerator):
-    return lambda tensor: accelerator.reduce(tensor, reduction="sum")
 
 
 if __name__ == "__main__":

@@ -217,6 +217,9 @@ def run_accelerate(args, ds_config) -> None:
     fixed.append(fixed_batch_loss(engine, dtype))
     record = (losses, norms, fixed, launcher_world_size(), engine, ds_config, num_params)
     dump(Path(args.out), accelerator.process_index, *record)
+    # Tear the process group down before the interpreter exits, as the recipes do: left to interpreter shutdown, a
+    # rank was seen to abort ("terminate called without an active exception") after its work was done.
+    accelerator.end_training()
 
 
 def main() -> None:

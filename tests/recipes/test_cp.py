@@ -11,7 +11,8 @@ import pytest
 from _util import REPO, subprocess_env
 
 from common.errors import ConfigError
-from common.tools.copy_recipe import available_recipes, copy_recipe
+from common.tools.copy_recipe import copy_recipe
+from common.tools.recipes import shipped_recipes
 
 
 def test_copy_has_scripts_configs_launch_files_and_a_smoke_test(tmp_path):
@@ -20,7 +21,8 @@ def test_copy_has_scripts_configs_launch_files_and_a_smoke_test(tmp_path):
     for name in (
         "train.py",
         "train_accelerate.py",
-        "recipe_config.py",
+        "science_config.py",
+        "operator_learning.py",
         "accelerate.yaml",
         "ds_config.json",
         "configs/tiny_cpu.yaml",
@@ -105,8 +107,9 @@ def test_cli_refuses_a_non_empty_folder_in_one_line(tmp_path):
 
 
 def test_every_recipe_defines_smoke_overrides():
-    for name in available_recipes():
-        assert "SMOKE_OVERRIDES" in (REPO / "recipes" / name / "recipe_config.py").read_text(), name
+    for recipe in shipped_recipes():
+        configs = list(recipe.folder.glob("*_config.py"))
+        assert configs and all("SMOKE_OVERRIDES" in p.read_text() for p in configs), recipe.name
 
 
 @pytest.mark.slow

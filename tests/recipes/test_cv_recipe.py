@@ -6,7 +6,10 @@ time figures of the real default are measured in docs/cv.md, not here.
 
 from __future__ import annotations
 
+import importlib
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,43 +17,55 @@ import pytest
 import torch
 import yaml
 from _util import PYTHON, REPO, accelerate_launch, read_json, run
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from PIL import Image
+from transformers import AutoModelForImageClassification
 
 from common.accounting import predicted_model_state_bytes
-from common.config import load_config
+from common.config import config_to_dict, load_config
+from common.describe import RecipeDescription
 from common.rundir import read_metrics
 from common.strategy import accelerate_config, write_accelerate_files
+from cv.data import load_digits_dataset
+from cv.model import build_model, count_parameters
 
 RECIPE = REPO / "recipes" / "cv"
 TRAIN = RECIPE / "train.py"
 TRAIN_ACCELERATE = RECIPE / "train_accelerate.py"
 TINY = {"micro_batch_size": 4, "warmup_steps": 2, "log_interval": 1, "eval_interval": 4}
 CLASSES = ["checks", "horizontal", "vertical"]
-SUMMARY_KEYS = {
+# Every key of summary.json, in order (docs/cv.md and the benches read them): the same on both backends.
+SUMMARY_KEYS = [
     "val_accuracy",
+    "val_loss",
+    "majority_baseline_accuracy",
     "throughput",
     "peak_memory_bytes",
+    "memory_kind",
     "model_state_bytes_per_rank",
     "wall_time_s",
     "preset",
     "zero_stage",
     "world_size",
     "precision",
+    "model",
+    "data",
+    "confusion_matrix",
+    "model_state_breakdown",
+    "num_params",
+    "median_step_s",
+    "backend",
+    "steps",
+    "resumed_from_step",
     "export_check",
-}
+]
 
 
-def recipe_config():
-    """recipes/cv/recipe_config.py under its own name (every recipe has a recipe_config module)."""
-    import importlib.util
-    import sys
-
-    name = "cv_recipe_config"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, RECIPE / "recipe_config.py")
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
+def recipe_module(name: str):
+    """``cv_config`` or ``classification``, imported as the scripts import them: from the recipe's folder."""
+    if str(RECIPE) not in sys.path:
+        sys.path.insert(0, str(RECIPE))
+    return importlib.import_module(name)
 
 
 def overrides(out_dir: Path, **extra) -> list[str]:
@@ -73,8 +88,6 @@ def write_image_folder(root: Path, per_class: int = 12) -> Path:
 
 def save_tiny_swin(folder: Path, num_classes: int, class_names: list[str] | None = None) -> Path:
     """A local Hugging Face image classifier, as ``model=`` expects it (save_pretrained, no download)."""
-    from cv.model import build_model
-
     build_model("tiny", num_classes, 32, class_names).save_pretrained(folder)
     return folder
 
@@ -84,22 +97,22 @@ def save_tiny_swin(folder: Path, num_classes: int, class_names: list[str] | None
 
 @pytest.mark.parametrize("path", sorted((RECIPE / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_yaml_loads_and_opens_with_launch_commands(path):
-    cfg = load_config(recipe_config().CVConfig, path)
+    cfg = load_config(recipe_module("cv_config").CVConfig, path)
     assert cfg.preset == "cv" and cfg.precision == "bf16"
     text = path.read_text()
     assert text.startswith("#") and "python recipes/cv/train.py" in text and "accelerate launch" in text
 
 
 def test_default_config_is_the_dataclass_default_and_the_issue_setup():
-    rc = recipe_config()
+    rc = recipe_module("cv_config")
     cfg = load_config(rc.CVConfig, rc.DEFAULT_CONFIG)
     assert cfg == rc.CVConfig()  # the YAML and the dataclass agree: no hidden second default
     assert (cfg.model, cfg.data, cfg.image_size, cfg.micro_batch_size, cfg.preset) == ("tiny", "digits", 32, 16, "cv")
 
 
 def test_shipped_accelerate_files_are_the_factory_output_for_the_default(tmp_path):
-    rc = recipe_config()
-    ds_config = rc.resolve_ds_config(load_config(rc.CVConfig, rc.DEFAULT_CONFIG), world_size=2)
+    rc = recipe_module("cv_config")
+    ds_config = recipe_module("classification").resolve_ds_config(load_config(rc.CVConfig, rc.DEFAULT_CONFIG), 2)
     assert json.loads((RECIPE / "ds_config.json").read_text()) == ds_config
     shipped = yaml.safe_load((RECIPE / "accelerate.yaml").read_text())
     assert shipped == accelerate_config("recipes/cv/ds_config.json", num_processes=2)
@@ -112,9 +125,53 @@ def test_shipped_accelerate_files_are_the_factory_output_for_the_default(tmp_pat
 
 
 def test_smoke_overrides_are_a_valid_tiny_run():
-    rc = recipe_config()
+    rc = recipe_module("cv_config")
     cfg = load_config(rc.CVConfig, rc.DEFAULT_CONFIG, rc.SMOKE_OVERRIDES)
     assert cfg.max_steps <= 10 and cfg.checkpoint_interval <= cfg.max_steps
+
+
+# --- --describe: what the planning tools read, without training ------------------------------------
+
+
+def describe(script: Path, *args: str) -> dict:
+    proc = run([PYTHON, script, "--describe", *args], timeout=300)
+    return json.loads(proc.stdout)  # stdout is the one JSON object and nothing else
+
+
+@pytest.mark.parametrize("script", [TRAIN, TRAIN_ACCELERATE], ids=["lightning", "accelerate"])
+def test_describe_reports_the_default_run_without_training_or_writing(tmp_path, script):
+    out_dir = tmp_path / "run"
+    printed = describe(script, f"out_dir={out_dir}")
+    description = RecipeDescription.from_json(printed)
+    cv_config = recipe_module("cv_config")
+    expected_config = load_config(cv_config.CVConfig, cv_config.DEFAULT_CONFIG, [f"out_dir={out_dir}"])
+    assert description.recipe == "cv" and description.config == config_to_dict(expected_config)
+    assert (description.world_size, description.devices_per_node, description.num_nodes) == (2, 2, 1)
+    assert description.ds_config == json.loads((RECIPE / "ds_config.json").read_text())  # the shipped dict
+    assert description.seq_len is None and description.micro_batch_size == 16
+    # The meta-device count against the model the run really builds (digits: 10 classes, 32 px).
+    model = build_model("tiny", 10, 32)
+    assert description.model.num_params == count_parameters(model) == 210_502
+    assert sorted(description.model.param_numels) == sorted(p.numel() for p in model.parameters())
+    assert description.model.hidden_size == model.config.hidden_size
+    assert description.persistent_params == 0  # stage 2 partitions no parameter
+    assert not out_dir.exists()
+
+
+def test_describe_counts_what_stage_3_keeps_whole(tmp_path):
+    printed = describe(TRAIN, "preset=deepspeed_stage_3", "devices=4", "num_nodes=2", "nvme_path=/mnt/nvme")
+    assert (printed["world_size"], printed["devices_per_node"], printed["num_nodes"]) == (8, 4, 2)
+    assert printed["config"]["nvme_path"] == "/mnt/nvme"
+    threshold = printed["ds_config"]["zero_optimization"]["stage3_param_persistence_threshold"]
+    numels = [p.numel() for p in build_model("tiny", 10, 32).parameters()]
+    assert 0 < printed["persistent_params"] == sum(n for n in numels if n <= threshold) < sum(numels)
+
+
+def test_describe_with_an_unknown_key_is_one_clear_error():
+    proc = run([PYTHON, TRAIN, "--describe", "image_sise=64"], timeout=300, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
+    assert len(errors) == 1 and "unknown key 'image_sise' (did you mean 'image_size'?)" in errors[0]
 
 
 # --- bad input: one line, exit 2, nothing touched ---------------------------------------------------
@@ -181,7 +238,7 @@ def check_run_directory(out_dir: Path, backend: str, max_steps: int, precision: 
     assert (out_dir / "final" / "model.safetensors").is_file()
 
     summary = read_json(out_dir / "summary.json")
-    assert set(summary) >= SUMMARY_KEYS
+    assert list(summary) == SUMMARY_KEYS
     assert summary["backend"] == backend and summary["steps"] == max_steps
     run_facts = [summary[key] for key in ("preset", "zero_stage", "world_size", "precision")]
     assert run_facts == ["cv", 2, 2, precision]
@@ -206,8 +263,6 @@ def check_run_directory(out_dir: Path, backend: str, max_steps: int, precision: 
 
 
 def load_final(out_dir: Path):
-    from transformers import AutoModelForImageClassification
-
     return AutoModelForImageClassification.from_pretrained(str(out_dir / "final"), local_files_only=True).eval()
 
 
@@ -243,8 +298,6 @@ def train_losses(out_dir: Path) -> list[tuple[int, float, float]]:
 
 
 def final_logits(out_dir: Path) -> torch.Tensor:
-    from cv.data import load_digits_dataset
-
     pixels = load_digits_dataset(32).val.tensors[0][:16]
     with torch.no_grad():
         return load_final(out_dir)(pixel_values=pixels).logits
@@ -252,8 +305,6 @@ def final_logits(out_dir: Path) -> torch.Tensor:
 
 def crash_after(out_dir: Path, copy: Path, step: int) -> Path:
     """A copy of a finished run as a crash right after the step-``step`` checkpoint would leave it."""
-    import shutil
-
     shutil.copytree(out_dir, copy)
     for later in (copy / "checkpoints").glob("step_*"):
         if int(later.name.removeprefix("step_")) > step:
@@ -291,8 +342,6 @@ def test_fp32_resume_reproduces_the_uninterrupted_run_on_both_backends(tmp_path)
 
 def check_export_is_the_checkpoint(out_dir: Path, step: int) -> None:
     """final/ holds exactly the fp32 weights DeepSpeed checkpointed (consolidated from both ranks' shards)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     shards = get_fp32_state_dict_from_zero_checkpoint(str(out_dir / "checkpoints" / f"step_{step:06d}"))
     consolidated = {k.removeprefix("model."): v for k, v in shards.items()}  # Lightning keeps the model at .model
     # from_pretrained maps the file's key names to the module's (transformers renames Swin's q/k/v on save).

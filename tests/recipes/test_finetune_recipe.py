@@ -18,13 +18,16 @@ loss on the same files, in the test) and trains 150 steps, so that it also backs
   case) within 5 % of ``zero-recipes estimate --lora-rank 4`` for the same model and 2 ranks;
 - ``resume=true`` continues from the checkpoint (steps after it are logged, the step before it is not redone);
 - bad input (missing base model, malformed JSONL line, unknown target module, FlashAttention on a CPU) is one
-  ``error:`` line, exit code 2, and no run directory.
+  ``error:`` line, exit code 2, and no run directory;
+- ``--describe`` prints one JSON object whose model facts are the saved base model's (counted here on its real
+  weights) and whose DeepSpeed dict is the factory's, and writes nothing; after a run, it equals the run's
+  ``ds_config.json`` and ``config.yaml``.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import json
 import shutil
 import sys
@@ -92,14 +95,11 @@ EXE = shutil.which("zero-recipes")
 
 
 @functools.cache
-def load_finetune_config():
-    """``recipes/nlp/finetune_config.py`` (it imports ``recipe_config`` from its own folder)."""
-    sys.path.insert(0, str(RECIPE))
-    spec = importlib.util.spec_from_file_location("finetune_config", RECIPE / "finetune_config.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def recipe_module(name: str):
+    """``finetune_config`` or ``finetuning`` from ``recipes/nlp`` (which the scripts have on ``sys.path``)."""
+    if str(RECIPE) not in sys.path:
+        sys.path.insert(0, str(RECIPE))
+    return importlib.import_module(name)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def accelerate(args: list, **kw):
 
 
 def test_shipped_configs_load_and_the_default_states_the_dataclass():
-    fc = load_finetune_config()
+    fc = recipe_module("finetune_config")
     from common.config import load_config
 
     for path in sorted((RECIPE / "configs").glob("finetune*.yaml")):
@@ -177,31 +177,61 @@ def test_shipped_configs_load_and_the_default_states_the_dataclass():
         assert cfg.preset == "finetune"
         assert "python recipes/nlp/finetune.py" in path.read_text().split("\n\n")[0]
     assert load_config(fc.FinetuneConfig, fc.DEFAULT_CONFIG) == fc.FinetuneConfig()
+    smoke = load_config(fc.FinetuneConfig, fc.DEFAULT_CONFIG, fc.SMOKE_OVERRIDES)  # `zero-recipes cp`'s smoke run
+    assert smoke.max_steps <= 10 and smoke.n_train <= 100
 
 
 def test_accelerate_files_are_the_factorys_output_for_the_default_config():
-    fc = load_finetune_config()
-    import yaml
-
+    fc, ft = recipe_module("finetune_config"), recipe_module("finetuning")
     from common.strategy import accelerate_config
     from nlp.model import LLAMA_SIZES
 
     # The default base is the NLP recipe's tiny Llama: hidden size 256 sizes the buckets and the threshold.
-    ds_config = sys.modules["recipe_config"].resolve_ds_config(
-        fc.FinetuneConfig(), 2, LLAMA_SIZES["tiny"]["hidden_size"]
-    )
+    ds_config = ft.resolve_ds_config(fc.FinetuneConfig(), 2, LLAMA_SIZES["tiny"]["hidden_size"])
     assert read_json(RECIPE / "ds_config_finetune.json") == ds_config
     assert ds_config["zero_optimization"]["stage"] == 3
     shipped = yaml.safe_load((RECIPE / "accelerate_finetune.yaml").read_text())
     assert shipped == accelerate_config("recipes/nlp/ds_config_finetune.json", 2, zero3_init=True)
 
 
+def describe(script: Path, args: list, **kw):
+    """``script --describe args``: the planning tools' only way into the recipe."""
+    return run([PYTHON, script, "--describe", *map(str, args)], timeout=300, **kw)
+
+
+def test_describe_counts_the_base_model_and_resolves_the_factorys_dict_without_writing(tmp_path, base_model):
+    from transformers import AutoModelForCausalLM
+
+    from common.describe import RecipeDescription
+    from common.strategy import RunFacts, resolve_deepspeed_config
+
+    out_dir = tmp_path / "run"
+    proc = describe(FINETUNE, [f"model={base_model}", f"out_dir={out_dir}", "micro_batch_size=3"], cwd=tmp_path)
+    description = RecipeDescription.from_json(json.loads(proc.stdout))  # stdout is one JSON object, nothing else
+    assert list(tmp_path.iterdir()) == []  # no out_dir, nothing in the working directory
+    assert description.recipe == "nlp:finetune" and description.config["model"] == str(base_model)
+    assert (description.world_size, description.devices_per_node, description.num_nodes) == (2, 2, 1)
+    assert (description.seq_len, description.micro_batch_size) == (128, 3)
+    # References: the saved base loaded with its weights, and the factory called directly for 2 ranks.
+    base = AutoModelForCausalLM.from_pretrained(base_model, local_files_only=True)
+    numels = [p.numel() for p in base.parameters()]
+    facts = description.model
+    assert facts.num_params == sum(numels) and sorted(facts.param_numels) == sorted(numels)
+    assert (facts.hidden_size, facts.num_layers, facts.num_heads) == (64, 2, 4)
+    assert facts.vocab_size == base.config.vocab_size
+    run_facts = RunFacts(world_size=2, micro_batch_size=3, precision="bf16", hidden_size=64, gradient_clipping=1.0)
+    ds_config = resolve_deepspeed_config("finetune", run_facts)
+    assert description.ds_config == ds_config
+    threshold = ds_config["zero_optimization"]["stage3_param_persistence_threshold"]
+    assert description.persistent_params == sum(n for n in numels if n <= threshold) > 0
+
+
 # --- fast: bad input, one line and nothing written -------------------------------------------------
 
 
-def _one_error(proc, out_dir: Path) -> str:
+def _one_error(proc, out_dir: Path, exit_code: int = 2) -> str:
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.returncode == exit_code, proc.stderr[-3000:]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not out_dir.exists()
     return errors[0]
@@ -238,6 +268,16 @@ def test_flash_attention_on_a_cpu_says_why(tmp_path, base_model):
     assert "flash-attn is not installed" in line and "no GPU (device is cpu)" in line
 
 
+def test_describe_with_a_bad_key_or_no_base_model_is_one_error_line(tmp_path, base_model):
+    proc = describe(FINETUNE, [f"model={base_model}", "lora_rr=4"], check=False, cwd=tmp_path)
+    assert "unknown key 'lora_rr' (did you mean 'lora_r'?)" in _one_error(proc, tmp_path / "runs")
+    assert proc.stdout == ""
+    proc = describe(FINETUNE_ACCELERATE, [], check=False, cwd=tmp_path)  # runs/nlp/final is not in tmp_path
+    # A missing input is exit code 3 (not 2): lint then checks the config without the model (common.errors).
+    assert "`python recipes/nlp/train.py`" in _one_error(proc, tmp_path / "runs", exit_code=3)
+    assert proc.stdout == ""
+
+
 # --- slow: ZeRO-3 + LoRA + activation checkpointing on 2 processes, then resume, per backend ----------------
 
 
@@ -269,7 +309,7 @@ def check_run(out_dir: Path, base_model: Path, backend: str) -> dict:
         torch.testing.assert_close(merged(input_ids=ids).logits, with_adapter, rtol=1e-4, atol=1e-4)
     # No frozen weights in checkpoints: far below the 14 B/param of a full-parameter ZeRO checkpoint.
     assert summary["checkpoint_fraction_of_full"] < 0.35, summary["checkpoint_bytes"]
-    assert 0.0 <= summary["val_accuracy"] <= 1.0 and summary["val_loss"] > 0
+    assert 0.0 <= summary["val_accuracy"] <= 1.0 and summary["val_loss"] > 0 and summary["wall_time_s"] > 0
     return summary
 
 
@@ -359,6 +399,10 @@ def test_accelerate_zero3_lora_saves_whole_adapters_and_resumes(tmp_path, base_m
     out_dir = tmp_path / "run"
     accelerate([f"out_dir={out_dir}", f"model={base_model}", *TINY])
     check_run(out_dir, base_model, "accelerate")
+    # What --describe tells the tools is what the run used.
+    described = json.loads(describe(FINETUNE_ACCELERATE, [f"out_dir={out_dir}", f"model={base_model}", *TINY]).stdout)
+    assert described["ds_config"] == read_json(out_dir / "ds_config.json")
+    assert described["config"] == yaml.safe_load((out_dir / "config.yaml").read_text())
     proc = accelerate([f"out_dir={out_dir}", f"model={base_model}", *TINY, "max_steps=6", "resume=true"])
     check_resume(out_dir, proc)
     check_run(out_dir, base_model, "accelerate")

@@ -35,8 +35,8 @@ STEPS = 4
 
 
 def smoke_overrides() -> list[str]:
-    """The recipe's own smoke run (``SMOKE_OVERRIDES`` in recipes/nlp/recipe_config.py), STEPS steps, no end sample."""
-    spec = importlib.util.spec_from_file_location("nlp_recipe_config_smoke", RECIPE / "recipe_config.py")
+    """The recipe's own smoke run (``SMOKE_OVERRIDES`` in recipes/nlp/nlp_config.py), STEPS steps, no end sample."""
+    spec = importlib.util.spec_from_file_location("nlp_config_smoke", RECIPE / "nlp_config.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
     spec.loader.exec_module(module)
@@ -90,8 +90,9 @@ def check_one_zero3_group(out_dir: Path) -> None:
     predicted = plan["predicted_bytes_per_rank"]["model_states"]
     measured = summary["model_state_bytes_per_rank"]
     persistent, num_params = plan["persistent_params"], plan["num_params"]
-    # DeepSpeed keeps a persistent parameter whole *and* its 1/N partition (docs/nlp.md): 2 B x persistent / N.
-    assert measured == pytest.approx(predicted + 2 * persistent / 2, rel=0.01)
+    assert persistent > 0
+    # DeepSpeed keeps a persistent parameter whole *and* its 1/N partition (docs/nlp.md); the prediction counts both.
+    assert measured == pytest.approx(predicted, rel=0.01)
     unsharded = 14 * num_params  # bf16 weights + fp32 master, m, v on one rank (gradients freed)
     assert measured < 0.6 * unsharded  # 0.59 here: the embedding and output matrices are sharded, the rest persists
 

@@ -12,13 +12,15 @@ Checked:
 - a local model folder is loaded under ZeRO-3 already partitioned (each rank holds about half the elements
   right after construction) and starts from the trained weights, not from a random init;
 - bad input (missing data, empty corpus, corrupt tokenizer, unknown key, existing out_dir) is one ``error:``
-  line, exit code 2, and no file created or changed.
+  line, exit code 2, and no file created or changed;
+- ``--describe`` prints the run as the planning tools read it (parameter counts against a model built for real or
+  the Llama formula, the factory's DeepSpeed dict) without reading the corpus or writing anything.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
+import importlib
+import json
 import math
 import shutil
 import sys
@@ -26,29 +28,51 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from _util import PYTHON, REPO, accelerate_launch, read_json, run
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.config import config_to_dict, load_config
+from common.describe import RecipeDescription
+from common.rundir import read_metrics
+from common.strategy import write_accelerate_files
+from nlp.data import build_lm_datasets, stdlib_source_files
+from nlp.model import build_llama_config, build_model_from_config, llama_param_count
 
 RECIPE = REPO / "recipes" / "nlp"
 TRAIN = RECIPE / "train.py"
 TRAIN_ACCELERATE = RECIPE / "train_accelerate.py"
-SUMMARY_KEYS = {
+# Every key of summary.json, in order (docs/nlp.md, the benches and test_multinode read them): the same on both
+# backends.
+SUMMARY_KEYS = [
     "val_loss",
     "val_perplexity",
+    "initial_val_loss",
+    "val_loss_ratio",
     "throughput",
+    "mfu",
     "peak_memory_bytes",
+    "memory_kind",
     "model_state_bytes_per_rank",
     "wall_time_s",
     "preset",
     "zero_stage",
+    "stage3_param_persistence_threshold",
     "world_size",
     "attention",
-    "initial_val_loss",
-    "val_loss_ratio",
-    "mfu",
+    "precision",
+    "model",
+    "backend",
+    "steps",
+    "tokens_per_step",
+    "median_step_s",
+    "model_state_bytes_measured",
+    "memory_plan",
+    "params_at_construction",
+    "data",
     "export_check",
     "sample",
-    "params_at_construction",
-}
+]
 # Small but real: a folder of standard-library modules, short sequences, a few steps (vocab stays 4096, so the
 # embedding and output matrices are above the 1e6 persistence threshold and really sharded).
 TINY = [
@@ -64,21 +88,16 @@ TINY = [
 ]
 
 
-@functools.cache
-def load_recipe_config():
-    """``recipes/nlp/recipe_config.py`` under its own name (every recipe folder has a ``recipe_config``)."""
-    spec = importlib.util.spec_from_file_location("nlp_recipe_config", RECIPE / "recipe_config.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
+def recipe_module(name: str):
+    """``nlp_config`` or ``pretraining``, imported as the scripts import them: from the recipe's folder."""
+    if str(RECIPE) not in sys.path:
+        sys.path.insert(0, str(RECIPE))
+    return importlib.import_module(name)
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """About 400 kB of standard-library source as a folder of files: the ``data=folder`` path of the recipe."""
-    from nlp.data import stdlib_source_files
-
     folder = tmp_path_factory.mktemp("corpus")
     files = [f for f in stdlib_source_files() if 8_000 < f.stat().st_size < 40_000][:24]
     for i, f in enumerate(files):
@@ -95,8 +114,6 @@ def accelerate(args: list, **kw):
 
 
 def losses(out_dir: Path, key: str = "train_loss") -> dict[int, float]:
-    from common.rundir import read_metrics
-
     return {r["step"]: r[key] for r in read_metrics(out_dir) if key in r}
 
 
@@ -104,9 +121,7 @@ def losses(out_dir: Path, key: str = "train_loss") -> dict[int, float]:
 
 
 def test_every_shipped_config_loads_and_opens_with_launch_commands():
-    rc = load_recipe_config()
-    from common.config import load_config
-
+    rc = recipe_module("nlp_config")
     # finetune*.yaml belong to finetune.py (tests/recipes/test_finetune_recipe.py)
     names = sorted(p.name for p in (RECIPE / "configs").glob("*.yaml") if not p.name.startswith("finetune"))
     assert names == ["llama_125m.yaml", "llama_1b.yaml", "llama_7b.yaml", "tiny_cpu.yaml"]
@@ -120,28 +135,81 @@ def test_every_shipped_config_loads_and_opens_with_launch_commands():
     assert load_config(rc.NLPConfig, rc.DEFAULT_CONFIG) == rc.NLPConfig()  # the YAML states the dataclass defaults
 
 
-def test_accelerate_files_are_the_factorys_output_for_the_default_config(tmp_path):
-    rc = load_recipe_config()
-    import yaml
-
-    from common.config import load_config
-    from common.strategy import write_accelerate_files
-
-    cfg = load_config(rc.NLPConfig, rc.DEFAULT_CONFIG)
-    ds_config = rc.resolve_ds_config(cfg, 2, rc.hidden_size(cfg))
-    assert read_json(RECIPE / "ds_config.json") == ds_config
+def test_accelerate_files_are_the_factorys_output_for_the_default_config(tmp_path, monkeypatch):
+    config_module, pretraining = recipe_module("nlp_config"), recipe_module("pretraining")
+    cfg = load_config(config_module.NLPConfig, config_module.DEFAULT_CONFIG)
+    ds_config = pretraining.resolve_ds_config(cfg, 2, pretraining.hidden_size(cfg))
+    assert (RECIPE / "ds_config.json").read_text() == json.dumps(ds_config, indent=2) + "\n"
     assert ds_config["zero_optimization"]["stage"] == 3
     assert ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == 1_000_000
-    expected = yaml.safe_load(write_accelerate_files(ds_config, tmp_path, num_processes=2).read_text())
-    shipped = yaml.safe_load((RECIPE / "accelerate.yaml").read_text())
-    assert shipped["deepspeed_config"].pop("deepspeed_config_file") == "recipes/nlp/ds_config.json"
-    expected["deepspeed_config"].pop("deepspeed_config_file")
-    assert shipped == expected
+    # The whole YAML, header included, as the factory writes it from the repository root (paths as typed there).
+    shipped = (RECIPE / "accelerate.yaml").read_text()
+    regenerate = next(line for line in shipped.splitlines() if "zero-recipes config" in line).lstrip("# ")
+    monkeypatch.chdir(tmp_path)
+    written = write_accelerate_files(
+        ds_config,
+        "recipes/nlp",
+        num_processes=2,
+        script="recipes/nlp/train_accelerate.py",
+        regenerate=regenerate,
+    )
+    assert written.read_text() == shipped
+    assert yaml.safe_load(shipped)["deepspeed_config"]["deepspeed_config_file"] == "recipes/nlp/ds_config.json"
 
 
 def test_print_config_shows_overrides():
     proc = run([PYTHON, TRAIN, "--print-config", "max_steps=7", "model=125m"], timeout=120)
     assert "max_steps: 7\n" in proc.stdout and "model: 125m\n" in proc.stdout
+
+
+# --- fast: --describe, what the planning tools read -------------------------------------------------
+
+
+def describe(script: Path, *args: str) -> dict:
+    proc = run([PYTHON, script, "--describe", *args], timeout=300)
+    return json.loads(proc.stdout)  # stdout holds the one JSON object and nothing else
+
+
+@pytest.mark.parametrize("script", [TRAIN, TRAIN_ACCELERATE], ids=["lightning", "accelerate"])
+def test_describe_counts_the_default_model_without_reading_data_or_writing(tmp_path, script):
+    out_dir = tmp_path / "run"
+    # data= names nothing: the description must not read the corpus (the vocabulary is vocab_size).
+    printed = describe(script, f"out_dir={out_dir}", f"data={tmp_path / 'no_such_corpus'}")
+    assert not out_dir.exists() and list(tmp_path.iterdir()) == []
+    description = RecipeDescription.from_json(printed)
+    cfg = load_config(
+        recipe_module("nlp_config").NLPConfig, None, [f"out_dir={out_dir}", f"data={tmp_path / 'no_such_corpus'}"]
+    )
+    assert description.recipe == "nlp" and description.config == config_to_dict(cfg)
+    assert (description.world_size, description.devices_per_node, description.num_nodes) == (2, 2, 1)
+    assert (description.seq_len, description.micro_batch_size) == (256, 4)
+    assert description.ds_config == read_json(RECIPE / "ds_config.json")  # the factory's dict for this run
+    # Reference: the tiny model built for real (fp32 weights on the CPU), counted parameter by parameter.
+    model = build_model_from_config(build_llama_config("tiny", vocab_size=4096, seq_len=256))
+    numels = [p.numel() for p in model.parameters()]
+    facts = description.model
+    assert facts.num_params == sum(numels) == 5_261_568
+    assert sorted(facts.param_numels) == sorted(numels)
+    assert (facts.hidden_size, facts.num_layers, facts.num_heads, facts.vocab_size) == (256, 4, 4, 4096)
+    # Under the nlp preset's 1e6 threshold every matrix but the embedding and output ones stays whole (docs/nlp.md).
+    assert description.persistent_params == sum(n for n in numels if n <= 1_000_000) == 3_164_416
+
+
+def test_describe_follows_the_overrides_and_the_named_size():
+    facts = describe(TRAIN, "model=1b", "devices=8", "num_nodes=2", "vocab_size=32000", "seq_len=2048")
+    assert (facts["world_size"], facts["devices_per_node"], facts["num_nodes"]) == (16, 8, 2)
+    assert facts["ds_config"]["train_batch_size"] == 16 * 4
+    assert facts["seq_len"] == 2048 and facts["model"]["num_kv_heads"] == 4
+    # Reference: the Llama parameter formula (nlp.model), not the meta-device count the recipe prints.
+    config = build_llama_config("1b", vocab_size=32000, seq_len=2048)
+    assert facts["model"]["num_params"] == llama_param_count(config) == 1_100_048_384
+
+
+def test_describe_with_an_unknown_key_is_one_clear_error():
+    proc = run([PYTHON, TRAIN, "--describe", "max_step=3"], timeout=120, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "did you mean 'max_steps'" in errors[0], proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
 
 
 # --- fast: bad input, one line and nothing touched -------------------------------------------------
@@ -214,7 +282,7 @@ def check_run_dir(out_dir: Path, backend: str) -> dict:
     ds_config = read_json(out_dir / "ds_config.json")
     assert ds_config["zero_optimization"]["stage"] == 3
     summary = read_json(out_dir / "summary.json")
-    assert set(summary) >= SUMMARY_KEYS, SUMMARY_KEYS - set(summary)
+    assert list(summary) == SUMMARY_KEYS, list(summary)
     assert summary["backend"] == backend and summary["preset"] == "nlp" and summary["zero_stage"] == 3
     assert summary["world_size"] == 2 and summary["attention"] == "sdpa" and summary["precision"] == "bf16"
     assert summary["throughput"]["unit"] == "tokens/s/device" and summary["throughput"]["value"] > 0
@@ -233,10 +301,6 @@ def check_run_dir(out_dir: Path, backend: str) -> dict:
 
 def check_final_loads(out_dir: Path, corpus: Path, summary: dict) -> None:
     """Load final/ as a user does and recompute the trained model's validation loss on the same blocks."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from nlp.data import build_lm_datasets
-
     model = AutoModelForCausalLM.from_pretrained(out_dir / "final").eval()
     tokenizer = AutoTokenizer.from_pretrained(out_dir / "final")
     assert model.dtype == torch.bfloat16 and len(tokenizer) == model.config.vocab_size

@@ -20,6 +20,8 @@ from _util import REPO, subprocess_env
 
 from common.tools import probe
 from common.tools.probe import Candidate, ProbeRow
+from common.tools.probe_report import write_config_yaml
+from common.tools.recipes import describe, find_recipe
 
 EXE = shutil.which("zero-recipes")
 # Small enough that one candidate is start-up plus a few seconds of training on 2 cores.
@@ -128,27 +130,34 @@ def test_last_error_line_finds_the_exception():
 
 
 def test_commands_are_what_a_user_types(tmp_path):
-    _, cfg = probe.candidate_config("nlp", Candidate("deepspeed_stage_3", "full"), None, ["seq_len=128", "max_steps=9"])
-    assert (cfg.preset, cfg.activation_checkpointing, cfg.seq_len) == ("deepspeed_stage_3", "full", 128)
-    assert cfg.max_steps != 9  # the probe's own keys are not the user's to set
-    _, none_cfg = probe.candidate_config("nlp", Candidate("deepspeed_stage_2", "none"), None, [])
-    path = probe.write_candidate_config(none_cfg, tmp_path / "c.yaml", "test")
-    _, back = probe.load_recipe_config("nlp", path)
-    assert back.activation_checkpointing == "none"  # a file keeps 'none' a string (key=value would make it null)
-    light = probe.candidate_command("nlp", "lightning", 5, 2, tmp_path / "run", path)
+    nlp = find_recipe("nlp")
+    run = probe.candidate_config(nlp, Candidate("deepspeed_stage_3", "full"), None, ["seq_len=128", "max_steps=9"], 2)
+    cfg = run.config
+    assert (cfg["preset"], cfg["activation_checkpointing"], cfg["seq_len"], cfg["devices"]) == (
+        "deepspeed_stage_3", "full", 128, 2
+    )  # fmt: skip
+    assert cfg["max_steps"] != 9  # the probe's own keys are not the user's to set
+    assert run.ds_config["zero_optimization"]["stage"] == 3 and run.world_size == 2
+    none_run = probe.candidate_config(nlp, Candidate("deepspeed_stage_2", "none"), None, [], 2)
+    path = write_config_yaml(none_run.config, tmp_path / "c.yaml", ["test"])
+    back = describe(nlp, path)  # the recipe reads the file the candidate runs with
+    assert back.config == none_run.config and back.config["activation_checkpointing"] == "none"
+    light = probe.candidate_command(nlp, "lightning", 5, 2, tmp_path / "run", path)
     assert light[1].endswith("recipes/nlp/train.py") and light[2:4] == ["--config", str(path)]
     assert {"max_steps=5", "devices=2", "overwrite=true"} <= set(light)
-    acc = probe.candidate_command("nlp", "accelerate", 5, 2, tmp_path / "run", path, tmp_path / "launch.yaml")
+    acc = probe.candidate_command(nlp, "accelerate", 5, 2, tmp_path / "run", path, tmp_path / "launch.yaml")
     assert acc[1:3] == ["-m", "accelerate.commands.launch"] and acc[acc.index("--num_processes") + 1] == "2"
     assert any(a.endswith("train_accelerate.py") for a in acc)
+    finetune = probe.candidate_command(find_recipe("nlp:finetune"), "accelerate", 5, 2, tmp_path / "run", path)
+    assert any(a.endswith("recipes/nlp/finetune_accelerate.py") for a in finetune)
 
 
 def test_accelerate_candidates_get_their_own_launch_files(tmp_path):
-    module, cfg = probe.candidate_config("science", Candidate("deepspeed_stage_3"), None, [])
-    launch = yaml.safe_load(probe.accelerate_launch_file(module, cfg, 2, tmp_path).read_text())
+    run = probe.candidate_config(find_recipe("science"), Candidate("deepspeed_stage_3"), None, [], 2)
+    launch = yaml.safe_load(probe.accelerate_launch_file(run, 2, tmp_path).read_text())
     assert launch["num_processes"] == 2 and launch["deepspeed_config"]["zero3_init_flag"] is True
     ds = json.loads(Path(launch["deepspeed_config"]["deepspeed_config_file"]).read_text())
-    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["stage"] == 3 and ds == run.ds_config
 
 
 # --- orchestration with a fake runner -----------------------------------------------------------------
@@ -280,8 +289,8 @@ def test_probe_three_candidates_on_two_cpu_processes(tmp_path):
     rec = report["recommendation"]
     assert rec["candidate"] in ("ddp", "deepspeed_stage_2", "deepspeed_stage_3") and rec["reason"]
     # The chosen preset as a config the recipe accepts.
-    _, cfg = probe.load_recipe_config("nlp", tmp_path / "recommended.yaml")
-    assert (cfg.preset, cfg.activation_checkpointing) == (rec["preset"], rec["activation_checkpointing"])
+    cfg = describe("nlp", tmp_path / "recommended.yaml").config
+    assert (cfg["preset"], cfg["activation_checkpointing"]) == (rec["preset"], rec["activation_checkpointing"])
     assert "Recommended" in (tmp_path / "report.md").read_text()
     print(f"probe of 3 candidates: {elapsed:.0f} s")
 

@@ -7,7 +7,10 @@ in docs/science.md, not here.
 
 from __future__ import annotations
 
+import copy
+import importlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +18,14 @@ import pytest
 import torch
 import yaml
 from _util import PYTHON, REPO, accelerate_launch, read_json, run
+from safetensors.torch import load_file
 
 from common.accounting import predicted_model_state_bytes
-from common.config import load_config
+from common.config import config_to_dict, load_config
+from common.describe import RecipeDescription
 from common.rundir import read_metrics
 from common.strategy import accelerate_config, write_accelerate_files
+from science.fno import FNO1d, count_parameters
 
 RECIPE = REPO / "recipes" / "science"
 TRAIN = RECIPE / "train.py"
@@ -38,30 +44,44 @@ TINY = {
     "log_interval": 1,
     "eval_interval": 4,
 }
-SUMMARY_KEYS = {
+# Every key of summary.json, in order (docs/science.md and the benches read them): the same on both backends.
+# The two super-resolution keys are there only when the run tested at a finer grid.
+SUMMARY_KEYS = [
     "val_rel_l2",
     "throughput",
     "peak_memory_bytes",
+    "memory_kind",
     "model_state_bytes_per_rank",
     "wall_time_s",
     "preset",
     "zero_stage",
+    "round_robin_gradients",
     "world_size",
     "precision",
-}
+    "param_dtype",
+    "fft_input_dtypes",
+    "data",
+    "viscosity",
+    "grid_size",
+    "n_train",
+    "n_test",
+    "num_params",
+    "model_state_breakdown",
+    "backend",
+    "steps",
+    "resumed_from_step",
+    "val_rel_l2_superres",
+    "superres_grid_size",
+    "data_meta",
+]
+SUPERRES_KEYS = ("val_rel_l2_superres", "superres_grid_size")
 
 
-def recipe_config():
-    """recipes/science/recipe_config.py under its own name (every recipe has a recipe_config module)."""
-    import importlib.util
-    import sys
-
-    name = "science_recipe_config"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, RECIPE / "recipe_config.py")
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
+def recipe_module(name: str):
+    """``science_config`` or ``operator_learning``, imported as the scripts import them: from the recipe's folder."""
+    if str(RECIPE) not in sys.path:
+        sys.path.insert(0, str(RECIPE))
+    return importlib.import_module(name)
 
 
 def overrides(out_dir: Path, cache_dir: Path, **extra) -> list[str]:
@@ -79,15 +99,15 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("path", sorted((RECIPE / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_yaml_loads_and_opens_with_launch_commands(path):
-    cfg = load_config(recipe_config().ScienceConfig, path)
+    cfg = load_config(recipe_module("science_config").ScienceConfig, path)
     assert cfg.preset == "science" and cfg.precision in ("bf16", "fp32")
     assert path.read_text().startswith("#") and "python recipes/science/train.py" in path.read_text()
 
 
 def test_shipped_accelerate_files_are_the_factory_output_for_the_default(tmp_path):
-    rc = recipe_config()
+    rc = recipe_module("science_config")
     cfg = load_config(rc.ScienceConfig, rc.DEFAULT_CONFIG)
-    ds_config = rc.resolve_ds_config(cfg, world_size=2)
+    ds_config = recipe_module("operator_learning").resolve_ds_config(cfg, world_size=2)
     assert json.loads((RECIPE / "ds_config.json").read_text()) == ds_config
     shipped = yaml.safe_load((RECIPE / "accelerate.yaml").read_text())
     assert shipped == accelerate_config("recipes/science/ds_config.json", num_processes=2)
@@ -100,10 +120,6 @@ def test_shipped_accelerate_files_are_the_factory_output_for_the_default(tmp_pat
 
 
 def test_fp32_head_gives_float32_predictions_from_a_bf16_model():
-    import copy
-
-    from science.fno import FNO1d
-
     torch.manual_seed(0)
     plain = FNO1d(modes=8, width=16, n_layers=2, proj_width=32)
     head = copy.deepcopy(plain)
@@ -115,6 +131,55 @@ def test_fp32_head_gives_float32_predictions_from_a_bf16_model():
     assert out.dtype == torch.float32  # the prediction is never rounded to bf16
     out.square().mean().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in low.parameters())
+
+
+def test_smoke_overrides_are_a_valid_tiny_run():
+    rc = recipe_module("science_config")
+    cfg = load_config(rc.ScienceConfig, rc.DEFAULT_CONFIG, rc.SMOKE_OVERRIDES)
+    assert cfg.max_steps <= 10 and cfg.checkpoint_interval <= cfg.max_steps
+
+
+# --- --describe: what the planning tools read, without training ------------------------------------
+
+
+def describe(script: Path, *args: str) -> dict:
+    proc = run([PYTHON, script, "--describe", *args], timeout=300)
+    return json.loads(proc.stdout)  # stdout is the one JSON object and nothing else
+
+
+@pytest.mark.parametrize("script", [TRAIN, TRAIN_ACCELERATE], ids=["lightning", "accelerate"])
+def test_describe_reports_the_default_run_without_training_or_writing(tmp_path, script):
+    out_dir, cache = tmp_path / "run", tmp_path / "cache"
+    printed = describe(script, f"out_dir={out_dir}", f"cache_dir={cache}")
+    description = RecipeDescription.from_json(printed)
+    science_config = recipe_module("science_config")
+    overrides = [f"out_dir={out_dir}", f"cache_dir={cache}"]
+    expected_config = load_config(science_config.ScienceConfig, science_config.DEFAULT_CONFIG, overrides)
+    assert description.recipe == "science" and description.config == config_to_dict(expected_config)
+    assert (description.world_size, description.devices_per_node, description.num_nodes) == (2, 2, 1)
+    assert description.ds_config == json.loads((RECIPE / "ds_config.json").read_text())  # the shipped dict
+    assert description.seq_len is None and description.micro_batch_size == 10
+    # The meta-device count against the model the run really builds (docs/science.md: 549,569 parameters).
+    model = FNO1d(modes=16, width=64, n_layers=4, proj_width=128, fp32_head=True)
+    assert description.model.num_params == count_parameters(model) == 549_569
+    assert sorted(description.model.param_numels) == sorted(p.numel() for p in model.parameters())
+    assert description.model.hidden_size == 64 and description.persistent_params == 0
+    assert not out_dir.exists() and not cache.exists()  # no data generated, nothing written
+
+
+def test_describe_counts_what_stage_3_keeps_whole():
+    printed = describe(TRAIN, "preset=deepspeed_stage_3", "devices=8", "width=32", "nvme_path=/mnt/nvme")
+    assert (printed["world_size"], printed["config"]["width"], printed["config"]["nvme_path"]) == (8, 32, "/mnt/nvme")
+    threshold = printed["ds_config"]["zero_optimization"]["stage3_param_persistence_threshold"]
+    numels = [p.numel() for p in FNO1d(modes=16, width=32, n_layers=4, proj_width=128).parameters()]
+    assert 0 < printed["persistent_params"] == sum(n for n in numels if n <= threshold) < sum(numels)
+
+
+def test_describe_with_an_unknown_key_is_one_clear_error():
+    proc = run([PYTHON, TRAIN, "--describe", "lrr=0.01"], timeout=300, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
+    assert len(errors) == 1 and "unknown key 'lrr' (did you mean 'lr'?)" in errors[0]
 
 
 # --- bad input: one line, exit 2, nothing touched ---------------------------------------------------
@@ -172,7 +237,7 @@ def test_print_config_prints_the_resolved_yaml(tmp_path):
     assert printed["lr"] == 0.002 and printed["precision"] == "fp32" and printed["preset"] == "science"
     path = tmp_path / "printed.yaml"
     path.write_text(proc.stdout)
-    load_config(recipe_config().ScienceConfig, path)  # round-trips into the config class
+    load_config(recipe_module("science_config").ScienceConfig, path)  # round-trips into the config class
 
 
 # --- real runs: 2 processes, ZeRO-2 ------------------------------------------------------------------
@@ -194,7 +259,7 @@ def check_bf16_zero2_run(out_dir: Path, backend: str, max_steps: int) -> None:
     assert (out_dir / "checkpoints" / "latest").read_text().strip() == f"step_{max_steps:06d}"
 
     summary = read_json(out_dir / "summary.json")
-    assert set(summary) >= SUMMARY_KEYS
+    assert list(summary) == SUMMARY_KEYS
     assert summary["backend"] == backend and summary["steps"] == max_steps
     assert (summary["preset"], summary["zero_stage"], summary["world_size"], summary["precision"]) == (
         "science",
@@ -222,10 +287,6 @@ def check_bf16_zero2_run(out_dir: Path, backend: str, max_steps: int) -> None:
     vals = [r for r in records if "val_rel_l2" in r]
     assert vals[-1]["step"] == max_steps and vals[-1]["val_rel_l2"] == summary["val_rel_l2"]
 
-    from safetensors.torch import load_file
-
-    from science.fno import FNO1d
-
     arch = json.loads((out_dir / "final" / "config.json").read_text())
     model = FNO1d(**{k: v for k, v in arch.items() if k != "model"})
     model.load_state_dict(load_file(out_dir / "final" / "model.safetensors"))  # strict: every weight is there
@@ -252,7 +313,7 @@ def test_users_npz_on_any_grid_trains(tmp_path, cache_dir):
     summary = read_json(out_dir / "summary.json")
     assert summary["data"] == str(data) and summary["grid_size"] == 48
     assert (summary["n_train"], summary["n_test"]) == (19, 5)  # val_fraction 0.2
-    assert "val_rel_l2_superres" not in summary  # no finer data to test on
+    assert list(summary) == [key for key in SUMMARY_KEYS if key not in SUPERRES_KEYS]  # no finer data to test on
     assert np.isfinite(summary["val_rel_l2"]) and (out_dir / "predictions.png").is_file()
 
 

@@ -32,6 +32,8 @@ RESULTS_BENCH = {
     "overhead.json": "overhead.py",
     "memory.json": "memory.py",
     "activations.json": "activations.py",
+    "hang_overhead.json": "hang_overhead.py",
+    "nvme_io.json": "nvme_io.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -126,3 +127,40 @@ def test_an_output_folder_that_is_a_file_is_refused(args, tmp_path):
     assert len(errors) == 1 and str(existing) in errors[0] and "file" in errors[0], out.stderr
     assert "Traceback" not in out.stderr
     assert existing.read_text() == "mine\n"
+
+
+NO_RECIPES = "error: the recipes ship with the source checkout: git clone"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ls"],
+        ["cp", "nlp", "mine"],
+        ["probe", "nlp"],
+        ["estimate", "--recipe", "nlp"],
+        ["lint", "x.yaml", "--recipe", "nlp"],
+    ],
+    ids=["ls", "cp", "probe", "estimate", "lint"],
+)
+def test_an_install_without_the_source_checkout_says_where_the_recipes_are(args, tmp_path):
+    """A wheel holds ``common`` alone: every command that needs a shipped recipe says so in one line, exit 2."""
+    site = tmp_path / "site"
+    shutil.copytree(REPO / "common", site / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "x.yaml").write_text("preset: nlp\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "common.tools.cli", *args],
+        cwd=work,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith(NO_RECIPES) and "pip install -e ." in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and str(site / "recipes") in out.stderr, out.stderr
+    assert sorted(p.name for p in work.iterdir()) == ["x.yaml"]  # nothing written
+    if args == ["ls"]:
+        assert "  deepspeed_stage_3 " in out.stdout  # the presets still listed above the error

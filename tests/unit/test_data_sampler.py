@@ -25,3 +25,10 @@ def test_seed_changes_order():
     a = list(StepSampler(50, 4, 1, 0, 1, seed=1, start_step=0, max_steps=5))
     b = list(StepSampler(50, 4, 1, 0, 1, seed=2, start_step=0, max_steps=5))
     assert a != b and sorted(set(a)) == sorted(a)
+
+
+def test_full_length_claims_the_whole_run_but_yields_the_rest():
+    # Lightning counts a resumed epoch's batches from the checkpoint's count: its loader claims the whole run.
+    resumed = StepSampler(50, 4, 2, 0, 2, seed=3, start_step=3, max_steps=6, full_length=True)
+    assert len(resumed) == 6 * 2 * 4
+    assert list(resumed) == list(StepSampler(50, 4, 2, 0, 2, seed=3, start_step=3, max_steps=6))

@@ -13,11 +13,15 @@ for every recipe. ``[--opt x|y]`` is an optional group and ``x|y`` a choice: bot
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
+import functools
+import importlib.util
 import io
 import re
 import shlex
+import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +31,6 @@ import pytest
 from common.config import build_config, coerce, parse_overrides, read_yaml, recipe_arg_parser
 from common.errors import ConfigError, nearest
 from common.tools.cli import build_parser
-from common.tools.probe import default_config_path, load_recipe_module, recipe_config_class
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -77,6 +80,7 @@ def logical_lines(text: str) -> list[str]:
 def command_in(part: str, where: str) -> DocCommand | None:
     """The ``zero-recipes`` or recipe-script command that ``part`` holds, or None."""
     part = expand_optional_groups(part.removeprefix("$ ").strip())
+    part = re.sub(r"<[^<>]*>", lambda m: m.group(0).replace(" ", "_"), part)  # "<base folder>" is one placeholder
     try:
         tokens = shlex.split(part)
     except ValueError:
@@ -131,10 +135,32 @@ def check_cli(tokens: tuple[str, ...]) -> str | None:
     return None
 
 
-def recipe_name(folder: str, stem: str) -> str:
-    """``recipes/nlp/finetune_accelerate.py`` -> ``nlp:finetune`` (its config module); train*.py -> ``nlp``."""
-    entry = stem.removesuffix("_accelerate")
-    return folder if entry == "train" else f"{folder}:{entry}"
+@functools.cache
+def script_config(script: Path) -> tuple[type, Path]:
+    """(config class, default config) that a recipe script passes to ``parse_recipe_args(Cls, DEFAULT, ...)``.
+
+    Read from the script (the call and the import of those two names), then that one module is imported by its
+    file under a name of its own (the recipes' config modules would clash as top-level names).
+    """
+    tree = ast.parse(script.read_text())
+    call = next(
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "parse_recipe_args"
+    )
+    cls_name, default_name = (arg.id for arg in call.args[:2])
+    module_name = next(
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and cls_name in {alias.name for alias in node.names}
+    )
+    spec = importlib.util.spec_from_file_location(
+        f"docs_check_{script.parent.name}_{module_name}", script.parent / f"{module_name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through it
+    spec.loader.exec_module(module)
+    return getattr(module, cls_name), Path(getattr(module, default_name))
 
 
 def is_users_own(value: str) -> bool:
@@ -153,12 +179,11 @@ def check_script(tokens: tuple[str, ...], folder: str) -> str | None:
     stem = SCRIPT.match(tokens[0])["stem"]
     if not (REPO / "recipes" / folder / f"{stem}.py").is_file():
         return f"no script recipes/{folder}/{stem}.py"
-    name = recipe_name(folder, stem)
-    cls = recipe_config_class(load_recipe_module(name))
+    cls, default_config = script_config(REPO / "recipes" / folder / f"{stem}.py")
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            args = recipe_arg_parser(default_config_path(name)).parse_args(list(tokens[1:]))
+            args = recipe_arg_parser(default_config).parse_args(list(tokens[1:]))
     except SystemExit as exc:
         return stderr.getvalue().strip() or f"exit {exc.code}"
     config = Path(args.config) if Path(args.config).is_absolute() else REPO / args.config
@@ -168,7 +193,7 @@ def check_script(tokens: tuple[str, ...], folder: str) -> str | None:
         if not is_users_own(args.config) or config.is_file():
             values = read_yaml(config)
         else:
-            values = read_yaml(default_config_path(name))
+            values = read_yaml(default_config)
         hints = typing.get_type_hints(cls)
         fields = {f.name for f in dataclasses.fields(cls)}
         for key, value in parse_overrides(args.overrides, typed=False).items():

@@ -80,10 +80,33 @@ FAILING_FILES = {
     "torch-zero-memory-leak": ("json", ds(2), {"versions": {"torch": "1.11.0", "deepspeed": "0.19.8"}}),
     "deepspeed-0.6-zero3-sync": ("json", ds(3), {"versions": {"torch": "2.0.1", "deepspeed": "0.6.5"}}),
     "nccl-version": ("json", ds(2), {"versions": {**CURRENT, "nccl": "2.8.4"}}),
+    "nvme-offload-stage-1-2": ("json", ds(2, offload_optimizer={"device": "nvme", "nvme_path": "/nvme"}), {}),
+    "aio-keys": ("json", {**ds(3), "aio": {"block_size": 2**20, "thread_count": 2}}, {}),
+    # 16 / (4 x 2) = 2 ranks, which groups of 3 cannot divide.
+    "hpz-partition": ("json", ds(3, zero_hpz_partition_size=3), {}),
+    "zenflow": ("json", ds(2, zenflow={"topk_ratio": 0.05}), {}),  # ZenFlow without ZeRO-Offload
+    "bf16-optimizer-states": ("json", {**ds(2), "bf16": {"enabled": True, "bf16_optimizer_states": True}}, {}),
+}
+
+NVME_ZERO = {
+    "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
+    "offload_param": {"device": "nvme", "nvme_path": "/nvme", "buffer_size": 1_000_000},
 }
 
 # Rules that need facts of the machine: given as views (the normalised input every rule reads).
 FAILING_VIEWS = {
+    # qwZ/qgZ in a run on a CPU: DeepSpeed has no CPU quantizer kernel.
+    "zeropp-quantized-needs-gpu": LintView(ds_config=ds(3, zero_quantized_weights=True), accelerator="cpu"),
+    # A model whose largest matrix splits into partitions of 256 kB in bf16 on 2 ranks: nothing reaches 1 MiB.
+    "nvme-small-partitions": LintView(
+        ds_config=ds(3, **NVME_ZERO), model=ModelFacts(num_params=300_000, param_numels=(262_144, 37_856)), world_size=2
+    ),
+    # A 32000 x 4096 embedding on 2 ranks: 65.5M-element partitions, against 1M-element buffers.
+    "nvme-param-buffer": LintView(
+        ds_config=ds(3, **NVME_ZERO),
+        model=ModelFacts(num_params=131_072_000, param_numels=(131_072_000,)),
+        world_size=2,
+    ),
     # 7B on 8 ranks of a node with 16 GB of host RAM: offloaded optimizer states (84 GB) cannot be pinned.
     "offload-pin-memory": LintView(
         ds_config=ds(2, offload_optimizer={"device": "cpu", "pin_memory": True}),
@@ -218,9 +241,19 @@ def test_auto_under_accelerate_is_only_an_error_for_keys_it_does_not_fill():
 @pytest.mark.parametrize("hidden_size", [None, 64, 256, 4096, 8192])
 @pytest.mark.parametrize("world_size", [1, 2, 8])
 def test_no_warning_or_error_on_any_shipped_preset(preset, hidden_size, world_size):
-    facts = RunFacts(world_size=world_size, micro_batch_size=4, hidden_size=hidden_size, nvme_path="/local/nvme")
-    findings = lint_run(resolve_deepspeed_config(preset, facts), {"preset": preset}, versions=CURRENT)
-    assert lint.actionable(findings) == [], [lint.format_finding(f) for f in findings]
+    facts = RunFacts(
+        world_size=world_size, micro_batch_size=4, hidden_size=hidden_size, nvme_path="/local/nvme", check_storage=False
+    )
+    # On a GPU every preset is clean; on a CPU ZeRO++'s quantized collectives are the one thing refused.
+    for accelerator in ("cuda", "cpu"):
+        run = lint_run(
+            resolve_deepspeed_config(preset, facts), {"preset": preset}, versions=CURRENT, accelerator=accelerator
+        )
+        findings = [lint.format_finding(f) for f in lint.actionable(run)]
+        expected = (
+            ["zeropp-quantized-needs-gpu"] if (preset, accelerator) == ("deepspeed_stage_3_zeropp", "cpu") else []
+        )
+        assert [f.rule_id for f in lint.actionable(run)] == expected, findings
 
 
 def shipped_configs() -> list[Path]:
@@ -275,3 +308,85 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert data["errors"] >= 1 and {"rule_id", "severity", "message", "fix"} <= set(data["findings"][0])
     out = cli("lint", str(tmp_path / "missing.json"))
     assert out.returncode == 2 and out.stderr.startswith("error:")
+
+
+# --- NVMe offload, ZeRO++ and the newer offload engines (issue 17) --------------------------------------------
+
+
+def test_zeropp_quantized_is_an_error_only_where_the_run_has_no_gpu():
+    zero = ds(3, zero_quantized_weights=True, zero_quantized_gradients=True)
+    severities = {
+        accelerator: [f.severity for f in lint.rule_zeropp_quantized_needs_gpu(LintView(zero, accelerator=accelerator))]
+        for accelerator in ("cpu", "cuda", None)
+    }
+    assert severities == {"cpu": ["error"], "cuda": [], None: ["info"]}  # None: a file, maybe for a GPU cluster
+    hpz_only = ds(3, zero_hpz_partition_size=2, zero_quantized_weights=False, zero_quantized_gradients=False)
+    assert lint.rule_zeropp_quantized_needs_gpu(LintView(hpz_only, accelerator="cpu")) == []
+
+
+@pytest.mark.parametrize(
+    ("hpz", "stage", "world_size", "severity"),
+    [(2, 3, 4, None), (4, 3, 8, None), (3, 3, 4, "error"), (4, 3, 4, "warning"), (2, 2, 4, "warning"), (1, 3, 4, None)],
+)
+def test_hpz_partition_checks_the_layout(hpz, stage, world_size, severity):
+    view = LintView(ds(stage, zero_hpz_partition_size=hpz), world_size=world_size)
+    assert [f.severity for f in lint.rule_hpz_partition(view)] == ([severity] if severity else [])
+
+
+def test_nvme_partitions_just_at_the_swap_threshold_are_swapped():
+    """1 MiB exactly is swapped (DeepSpeed: min_aio_bytes <= bytes); a larger aio.block_size raises the bar."""
+    at_threshold = ModelFacts(num_params=2**20, param_numels=(2**20,))  # bf16 on 2 ranks: 2**19 x 2 B = 1 MiB
+    view = LintView(ds_config=ds(3, **NVME_ZERO), model=at_threshold, world_size=2)
+    assert lint.rule_nvme_small_partitions(view) == []
+    view.ds_config = {**view.ds_config, "aio": {"block_size": 2**21}}
+    assert [f.rule_id for f in lint.rule_nvme_small_partitions(view)] == ["nvme-small-partitions"]
+
+
+def test_nvme_param_buffer_holds_the_largest_partition_exactly():
+    model = ModelFacts(num_params=2_000_000, param_numels=(2_000_000,))
+    fits = LintView(ds_config=ds(3, **NVME_ZERO), model=model, world_size=2)  # 1e6-element partition, 1e6 buffer
+    assert lint.rule_nvme_param_buffer(fits) == []
+    fits.world_size = 1
+    assert [f.severity for f in lint.rule_nvme_param_buffer(fits)] == ["error"]
+
+
+@pytest.mark.parametrize(
+    ("zenflow", "offload", "severity"),
+    [
+        ({"topk_ratio": 0.05, "update_interval": 4}, "cpu", "info"),
+        ({"select_strategy": "auto", "select_interval": 2}, "cpu", "error"),
+        ({"select_strategy": "step", "select_interval": 2, "update_interval": 4}, "cpu", "error"),
+        ({"topk_ratio": 0.05}, "nvme", "error"),
+    ],
+)
+def test_zenflow_combinations(zenflow, offload, severity):
+    view = LintView(ds(2, zenflow=zenflow, offload_optimizer={"device": offload}, overlap_comm=True))
+    assert [f.severity for f in lint.rule_zenflow(view)] == [severity]
+
+
+@pytest.mark.parametrize(
+    ("bf16", "offload", "severity"),
+    [
+        ({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}, "none", "info"),
+        ({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}, "cpu", "info"),
+        ({"bf16_master_weights_and_grads": True}, "cpu", "info"),
+        ({"bf16_master_weights_and_grads": True}, "none", "error"),
+        ({"bf16_optimizer_states": True}, "cpu", "error"),
+    ],
+)
+def test_bf16_optimizer_states_follows_deepspeeds_asserts(bf16, offload, severity):
+    config = {**ds(2, offload_optimizer={"device": offload}), "bf16": {"enabled": True, **bf16}}
+    assert [f.severity for f in lint.rule_bf16_optimizer_states(LintView(config))] == [severity]
+
+
+def test_the_factory_and_the_aio_rule_agree_on_deepspeeds_keys():
+    """The aio rule reads the keys DeepSpeed 0.19 itself reads: an unknown key there is silently ignored."""
+    from deepspeed.runtime.swap_tensor import aio_config
+
+    assert set(aio_config.AIO_DEFAULT_DICT) == set(lint_module_aio_keys())
+
+
+def lint_module_aio_keys() -> tuple[str, ...]:
+    from common.strategy import AIO_KEYS
+
+    return AIO_KEYS

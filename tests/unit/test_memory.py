@@ -206,7 +206,10 @@ def test_ladder_recommendation_climbs_with_less_memory():
     assert (rec(24)["stage"], rec(24)["offload"], rec(24)["activation_checkpointing"]) == (3, "none", "full")
     low = rec(8, host_gb=2000)
     assert low["offload"] in ("optimizer", "params") and "offload" in low["reason"]
-    assert rec(8, host_gb=10)["stage"] is None  # the host cannot hold the offloaded states either
+    # The host cannot hold the offloaded states either: ZeRO-Infinity's last rung puts them on NVMe.
+    nvme = rec(8, host_gb=10)
+    assert (nvme["stage"], nvme["offload"], nvme["preset"]) == (3, "nvme", "deepspeed_stage_3_offload_nvme")
+    assert rec(2, host_gb=10)["stage"] is None  # not even one layer's working set fits
     assert "stage 0 needs" in rec(80)["reason"] and "stage 1 needs" in rec(56)["reason"]
 
 

@@ -7,19 +7,25 @@ regenerate them with ``python tests/golden/regenerate.py`` and review ``git diff
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 from golden.regenerate import FACTS, GOLDEN
 
+from common import strategy
 from common.errors import ConfigError
+from common.memory_formulas import nvme_swapped_bytes_per_rank
 from common.presets import PRESETS
 from common.strategy import (
     RunFacts,
     accelerate_plugin,
     accelerator_kwargs,
+    async_io_problem,
     bucket_elements,
+    hpz_partition_size,
     lightning_strategy_config,
     lightning_trainer_kwargs,
     resolve_deepspeed_config,
@@ -45,7 +51,8 @@ def test_gradient_clipping_is_always_written(name, clipping):
     Lightning fills the key from ``Trainer(gradient_clip_val=...)`` only when it is absent, so the dict it gets
     must carry it too. tests/distributed/test_zero_cpu.py reads the value the engine runs with on both backends.
     """
-    resolved = resolve_deepspeed_config(name, RunFacts(gradient_clipping=clipping, nvme_path="/local_nvme"))
+    facts = RunFacts(gradient_clipping=clipping, nvme_path="/local_nvme", check_storage=False)
+    resolved = resolve_deepspeed_config(name, facts)
     assert isinstance(resolved["gradient_clipping"], float) and resolved["gradient_clipping"] == clipping
     assert lightning_strategy_config(resolved)["gradient_clipping"] == clipping
     assert json.loads((GOLDEN / f"{name}.json").read_text())["gradient_clipping"] == FACTS.gradient_clipping
@@ -152,3 +159,132 @@ def test_accelerate_files_point_at_their_json(tmp_path):
     assert launch["deepspeed_config"]["zero3_init_flag"] is True
     json_path = Path(launch["deepspeed_config"]["deepspeed_config_file"])
     assert json.loads(json_path.read_text()) == ds
+
+
+# --- ZeRO++ and NVMe offload (issue 17) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("world_size", "devices_per_node", "hpz"),
+    [(8, 4, 4), (4, 2, 2), (16, 8, 8), (8, None, 1), (8, 8, 1), (1, None, 1)],
+)
+def test_hpz_partition_is_the_node(world_size, devices_per_node, hpz):
+    """hpZ's secondary partition spans one node's devices; on a single node it is off (1): nothing to keep local."""
+    facts = RunFacts(world_size=world_size, devices_per_node=devices_per_node, hidden_size=1024)
+    assert hpz_partition_size(facts) == hpz
+    zero = resolve_deepspeed_config("deepspeed_stage_3_zeropp", facts)["zero_optimization"]
+    assert zero["zero_hpz_partition_size"] == hpz
+    assert zero["zero_quantized_weights"] is zero["zero_quantized_gradients"] is True  # resolved even on a CPU
+
+
+def test_zeropp_golden_is_two_nodes_of_four():
+    golden = json.loads((GOLDEN / "deepspeed_stage_3_zeropp.json").read_text())["zero_optimization"]
+    assert golden["stage"] == 3 and golden["zero_hpz_partition_size"] == FACTS.devices_per_node == 4
+
+
+@pytest.mark.parametrize(
+    ("layout", "overrides", "message"),
+    [
+        ({"world_size": 6, "devices_per_node": 4}, None, "not a whole number of nodes"),
+        ({"world_size": 8}, {"zero_optimization.zero_hpz_partition_size": 3}, "does not divide world_size 8"),
+        ({"devices_per_node": 0}, None, "devices_per_node must be a positive integer"),
+    ],
+)
+def test_bad_layout_is_one_clear_error(layout, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_deepspeed_config("deepspeed_stage_3_zeropp", RunFacts(**layout), overrides)
+
+
+NVME = "deepspeed_stage_3_offload_nvme"
+
+
+def nvme_facts(path, **extra) -> RunFacts:
+    return RunFacts(world_size=2, hidden_size=1024, nvme_path=str(path), **extra)
+
+
+def test_nvme_preset_resolves_with_its_aio_section(tmp_path):
+    ds = resolve_deepspeed_config(NVME, nvme_facts(tmp_path))
+    zero = ds["zero_optimization"]
+    for section in ("offload_optimizer", "offload_param"):
+        assert zero[section]["device"] == "nvme" and zero[section]["nvme_path"] == str(tmp_path)
+    assert zero["offload_param"]["buffer_size"] >= zero["stage3_prefetch_bucket_size"]
+    assert set(ds["aio"]) <= set(strategy.AIO_KEYS) and ds["aio"]["block_size"] == 2**20
+    assert list(tmp_path.iterdir()) == []  # resolving wrote nothing
+
+
+@pytest.mark.parametrize(
+    ("aio", "message"),
+    [
+        ({"thread_count": 2}, "called aio.intra_op_parallelism now"),
+        ({"blok_size": 2**20}, "did you mean 'block_size'"),
+        ({"queue_depth": 0}, "positive integer"),
+        ({"overlap_events": "yes"}, "true or false"),
+    ],
+)
+def test_aio_section_is_validated(tmp_path, aio, message):
+    overrides = {f"aio.{key}": value for key, value in aio.items()}
+    with pytest.raises(ConfigError, match=message):
+        resolve_deepspeed_config(NVME, nvme_facts(tmp_path), overrides)
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_nvme_path_missing_is_refused_and_not_created(tmp_path):
+    before = tree(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist: create it on the local NVMe drive"):
+        resolve_deepspeed_config(NVME, nvme_facts(tmp_path / "typo"))
+    assert tree(tmp_path) == before
+
+
+def test_nvme_path_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        resolve_deepspeed_config(NVME, nvme_facts(tmp_path / "file"))
+
+
+def test_nvme_path_not_writable_is_refused(tmp_path, monkeypatch):
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.geteuid() == 0:  # permission bits do not bind root: ask what they say for the owner
+        monkeypatch.setattr(
+            strategy.os, "access", lambda p, mode: not mode & os.W_OK or bool(os.stat(p).st_mode & 0o200)
+        )
+    try:
+        with pytest.raises(ConfigError, match="is not writable"):
+            resolve_deepspeed_config(NVME, nvme_facts(folder))
+        assert tree(folder) == []
+    finally:
+        folder.chmod(0o755)
+
+
+def test_nvme_path_on_a_full_disk_is_refused(tmp_path, monkeypatch):
+    """Simulated: shutil.disk_usage reports what a full (or too small) drive reports."""
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(strategy.shutil, "disk_usage", lambda _: usage._replace(free=0))
+    with pytest.raises(ConfigError, match="0 GB free, less than .* one swapped tensor per rank"):
+        resolve_deepspeed_config(NVME, nvme_facts(tmp_path))
+    # With the model's size the need is the swapped states of every rank on the node (7B on 2 ranks: 126 GB).
+    monkeypatch.setattr(strategy.shutil, "disk_usage", lambda _: usage._replace(free=100e9))
+    need = 2 * nvme_swapped_bytes_per_rank(7_000_000_000, 2, "bf16", True, True)
+    with pytest.raises(ConfigError, match=f"less than {need / 1e9:.3g} GB for the swapped states"):
+        resolve_deepspeed_config(NVME, nvme_facts(tmp_path, num_params=7_000_000_000))
+    assert tree(tmp_path) == []
+
+
+def test_libaio_missing_is_refused(tmp_path, monkeypatch):
+    """Simulated: DeepSpeed's own check compiles and links a test program with CC, which here cannot compile."""
+    monkeypatch.setenv("CC", "/bin/false")
+    assert "libaio" in async_io_problem()
+    with pytest.raises(ConfigError, match="NVMe offload: DeepSpeed's async I/O op cannot be built.*libaio-dev"):
+        resolve_deepspeed_config(NVME, nvme_facts(tmp_path))
+    assert tree(tmp_path) == []
+    monkeypatch.delenv("CC")
+    assert async_io_problem() is None  # this machine has libaio (the CI installs it: .ci/run)
+
+
+def test_storage_checks_can_be_left_to_the_target_machine():
+    ds = resolve_deepspeed_config(NVME, RunFacts(nvme_path="/no/such/drive", check_storage=False))
+    assert ds["zero_optimization"]["offload_param"]["nvme_path"] == "/no/such/drive"

@@ -1,0 +1,114 @@
+"""The NLP recipe's config: every key of ``configs/*.yaml``, checked when it is built.
+
+``train.py`` and ``train_accelerate.py`` read it with ``common.config.parse_recipe_args``; what the run does with
+it (data, model, loss, evaluation, run files, summary) is in ``pretraining.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.errors import ConfigError, nearest
+from common.presets import PRESET_NAMES
+from common.strategy import PRECISIONS
+from nlp.data import STDLIB
+from nlp.model import ATTENTION_CHOICES, LLAMA_SIZES
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_cpu.yaml"
+
+# A tiny few-step run a user can type too; `zero-recipes cp`'s generated smoke test uses it.
+SMOKE_OVERRIDES: list[str] = [
+    "max_steps=4",
+    "seq_len=64",
+    "micro_batch_size=2",
+    "max_train_tokens=20000",
+    "max_val_tokens=2048",
+    "eval_interval=2",
+    "checkpoint_interval=4",
+    "log_interval=1",
+    "sample_tokens=8",
+]
+
+
+@dataclass
+class NLPConfig:
+    """Every key of the NLP recipe; ``configs/*.yaml`` and ``key=value`` overrides set them."""
+
+    # --- run ---
+    out_dir: str = "runs/nlp"
+    overwrite: bool = False  # replace an existing out_dir
+    resume: bool = False  # continue from out_dir/checkpoints/latest
+    max_steps: int = 500  # optimizer steps
+    devices: int = 0  # 0: every GPU, or 2 CPU processes without a GPU (Lightning; Accelerate takes its launcher's)
+    num_nodes: int = 1
+    seed: int = 0
+    collective_timeout_s: int = 900  # a rank waiting this long in a collective fails: a dead rank stops the others
+    # --- DeepSpeed ---
+    preset: str = "nlp"  # ZeRO-3, stage3_param_persistence_threshold 1e6 (zero-recipes ls)
+    precision: str = "bf16"  # bf16, fp16 or fp32 (fp32: exact arithmetic, used by the resume test)
+    ds_overrides: list[str] = field(default_factory=list)  # DeepSpeed key=value, e.g. zero_optimization.stage=2
+    activation_checkpointing: str = "none"  # none|full|every_k|selective|save_memory_optimized
+    gradient_clipping: float = 1.0  # max gradient norm, 0 = off
+    nvme_path: str = ""  # local NVMe folder the *_offload_nvme presets swap to ("": none)
+    # --- optimisation ---
+    micro_batch_size: int = 4  # sequences per rank per forward pass: activations grow with it
+    grad_accum: int = 1  # micro-batches per optimizer step: a larger batch at no extra memory
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio (1.0 = constant after warmup)
+    weight_decay: float = 0.1
+    warmup_steps: int = 30
+    # --- model ---
+    model: str = "tiny"  # tiny|125m|1b|7b (built from a config) or a local Hugging Face model folder
+    attention: str = "auto"  # auto|flash_attention_2|sdpa|eager (auto: FlashAttention-2 on a GPU when installed)
+    seq_len: int = 256  # tokens per sequence: activations grow with it (attention scores with its square)
+    trust_remote_code: bool = False  # allow model code shipped inside a local model folder to run
+    # --- data ---
+    data: str = STDLIB  # 'stdlib', a .txt/.jsonl file, a folder of text files, or a datasets.save_to_disk folder
+    text_field: str = "text"  # field of .jsonl records / column of a saved dataset
+    tokenizer: str = ""  # a local tokenizer folder; empty: the model folder's, else train a byte-level BPE
+    vocab_size: int = 4096  # of a newly trained tokenizer
+    val_fraction: float = 0.05  # held-out share of files / documents
+    max_train_tokens: int = 0  # cap on training tokens (0 = all)
+    max_val_tokens: int = 32768  # tokens of the validation set that each evaluation reads (0 = all)
+    # --- logging ---
+    eval_interval: int = 100
+    checkpoint_interval: int = 250
+    log_interval: int = 10
+    sample_prompt: str = "    def __init__(self"  # the end-of-run sample continues this prompt
+    sample_tokens: int = 48
+
+    def __post_init__(self) -> None:
+        positive = "max_steps num_nodes micro_batch_size grad_accum seq_len vocab_size eval_interval log_interval"
+        positive += " checkpoint_interval collective_timeout_s"
+        for name in positive.split():
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("devices", "warmup_steps", "max_train_tokens", "max_val_tokens", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.preset not in PRESET_NAMES:
+            raise ConfigError(f"unknown preset {self.preset!r}{nearest(self.preset, PRESET_NAMES)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+                f"{nearest(self.precision, PRECISIONS)}"
+            )
+        if self.attention not in ATTENTION_CHOICES:
+            raise ConfigError(f"unknown attention {self.attention!r}{nearest(self.attention, ATTENTION_CHOICES)}")
+        if self.model not in LLAMA_SIZES and not Path(self.model).expanduser().is_dir():
+            raise ConfigError(
+                f"model must be one of {', '.join(LLAMA_SIZES)} or a local Hugging Face model folder; "
+                f"{self.model!r} is neither{nearest(self.model, LLAMA_SIZES)}"
+            )
+        if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0 or self.weight_decay < 0:
+            raise ConfigError("need lr > 0, 0 <= min_lr_ratio <= 1 and weight_decay >= 0")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.resume and self.overwrite:
+            raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
+
+    @property
+    def pretrained(self) -> Path | None:
+        """The local model folder, or None for a named size built from a config."""
+        return None if self.model in LLAMA_SIZES else Path(self.model).expanduser()

@@ -1,0 +1,534 @@
+"""What the NLP recipe trains and reports: data, the Llama model, loss, evaluation, memory plan, run files, export
+and summary.json.
+
+``train.py`` (Lightning) and ``train_accelerate.py`` (Accelerate) both import this module, so they train the same
+model on the same data, in the same order, with the same DeepSpeed config, and write the same run files. The
+config is in ``nlp_config.py``; ``describe(cfg)`` is what ``--describe`` prints for the planning tools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from nlp_config import NLPConfig  # next to this script
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from common.accounting import predicted_model_state_bytes
+from common.activation import apply_activation_checkpointing
+from common.checkpoint import gather_full_state_dict, save_hf_model
+from common.config import config_to_dict, dump_yaml, parse_overrides
+from common.data import StepSampler
+from common.describe import RecipeDescription, local_world, persistent_elements
+from common.lint import lint_at_start
+from common.memory_formulas import facts_from_model_config
+from common.metrics import Clock, all_reduce, gpu_peak_flops, memory_kind, mfu, peak_memory_bytes, throughput
+from common.model_folder import check_weight_files
+from common.rundir import env_info, read_metrics, wait_for_rank0_file, write_json_atomic, write_text_atomic
+from common.strategy import RunFacts, cosine_with_warmup, precision_of, resolve_deepspeed_config, zero_stage
+from nlp.data import DataError, LMData, build_lm_datasets, load_tokenizer
+from nlp.model import (
+    LLAMA_SIZES,
+    ModelError,
+    build_llama_config,
+    build_model_from_config,
+    flops_per_token,
+    generate_sample,
+    llama_block_class,
+    load_pretrained,
+)
+
+TOKENIZER_DIR = "tokenizer"  # where a run keeps the tokenizer it trained (resume and the other ranks load it)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+
+def tokenizer_source(cfg: NLPConfig, trained_here: bool) -> str | None:
+    """Where the run's tokenizer comes from: ``tokenizer=``, the model folder, the run's own, or None (train one).
+
+    Args:
+        trained_here: the run directory already holds the tokenizer this run trained (resume, other ranks).
+    """
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    if cfg.pretrained is not None and any((cfg.pretrained / name).is_file() for name in TOKENIZER_FILES):
+        return str(cfg.pretrained)
+    return str(Path(cfg.out_dir) / TOKENIZER_DIR) if trained_here else None
+
+
+def load_data(cfg: NLPConfig, tokenizer: str | None, world_size: int) -> LMData:
+    """Read, split, tokenize and pack the corpus; a tokenizer is trained on the train split when none is given."""
+    if tokenizer == str(Path(cfg.out_dir) / TOKENIZER_DIR):  # the run's own: on another node it may not exist yet
+        wait_for_rank0_file(Path(cfg.out_dir) / "env.json")  # written after the tokenizer (write_run_files)
+    data = build_lm_datasets(
+        cfg.data,
+        tokenizer,
+        cfg.seq_len,
+        val_fraction=cfg.val_fraction,
+        seed=0,  # the split stays fixed whatever the seed, so val losses of different seeds compare
+        max_train_tokens=cfg.max_train_tokens or None,
+        max_val_tokens=cfg.max_val_tokens or None,
+        vocab_size=cfg.vocab_size,
+        text_field=cfg.text_field,
+        shifted_labels=True,
+    )
+    if len(data.train) < cfg.micro_batch_size * world_size:
+        raise DataError(
+            f"{cfg.data}: the train split gives {len(data.train)} sequences of {cfg.seq_len} tokens, "
+            f"fewer than one global micro-batch ({cfg.micro_batch_size} x {world_size} ranks)"
+        )
+    if len(data.val) < world_size:
+        raise DataError(
+            f"{cfg.data}: the validation split gives {len(data.val)} sequences of {cfg.seq_len} "
+            f"tokens, fewer than the {world_size} ranks; use more text or a shorter seq_len"
+        )
+    return data
+
+
+def train_loader(
+    data: LMData, cfg: NLPConfig, rank: int, world_size: int, start_step: int, full_length: bool = False
+) -> torch.utils.data.DataLoader:
+    """Batches in a (seed, step)-determined order: the same on both backends, exact on resume."""
+    sampler = StepSampler(
+        len(data.train),
+        cfg.micro_batch_size,
+        cfg.grad_accum,
+        rank,
+        world_size,
+        cfg.seed,
+        start_step,
+        cfg.max_steps,
+        full_length=full_length,
+    )
+    return torch.utils.data.DataLoader(data.train, batch_size=cfg.micro_batch_size, sampler=sampler)
+
+
+def eval_batches(data: LMData, cfg: NLPConfig, rank: int, world_size: int) -> list[torch.Tensor]:
+    """This rank's validation blocks ``[b, seq_len + 1]``: every rank gets as many (ZeRO-3 gathers are collective)."""
+    blocks = data.val.blocks[: len(data.val) // world_size * world_size]
+    mine = blocks[rank::world_size]
+    return list(mine.split(cfg.micro_batch_size))
+
+
+# --- model ---------------------------------------------------------------------------------------
+
+
+def model_config(cfg: NLPConfig, tokenizer: Any) -> Any:
+    """The model's config: a named Llama size sized to the tokenizer, or a local folder's ``config.json``."""
+    if cfg.pretrained is None:  # without a tokenizer yet (--describe, hidden_size), the vocabulary is vocab_size
+        vocab_size = None if tokenizer is not None else cfg.vocab_size
+        return build_llama_config(cfg.model, vocab_size=vocab_size, tokenizer=tokenizer, seq_len=cfg.seq_len)
+    if not (cfg.pretrained / "config.json").is_file():
+        raise ModelError(f"{cfg.pretrained}: no config.json; expected a Hugging Face model folder")
+    check_weight_files(cfg.pretrained)  # a truncated *.safetensors: one line naming it, not a traceback on rank 0
+    try:
+        config = AutoConfig.from_pretrained(
+            str(cfg.pretrained), local_files_only=True, trust_remote_code=cfg.trust_remote_code
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"{cfg.pretrained}: cannot read config.json ({exc})") from exc
+    if tokenizer is not None and getattr(config, "vocab_size", 0) < len(tokenizer):
+        raise ModelError(
+            f"{cfg.pretrained}: vocab_size {config.vocab_size} is smaller than the tokenizer's "
+            f"{len(tokenizer)} tokens; pass the model's own tokenizer="
+        )
+    return config
+
+
+def hidden_size(cfg: NLPConfig) -> int:
+    """The model's hidden size (the factory scales buckets to it), read before the tokenizer exists."""
+    if cfg.pretrained is None:
+        return LLAMA_SIZES[cfg.model]["hidden_size"]
+    return model_config(cfg, tokenizer=None).hidden_size
+
+
+def deepspeed_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[str, Any]:
+    """The factory's DeepSpeed dict for this run (buckets scaled to the hidden size)."""
+    facts = RunFacts(
+        world_size=world_size,
+        micro_batch_size=cfg.micro_batch_size,
+        grad_accum=cfg.grad_accum,
+        precision=cfg.precision,
+        hidden_size=hidden_size,
+        gradient_clipping=cfg.gradient_clipping,
+        nvme_path=cfg.nvme_path or None,
+    )
+    return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
+
+
+def resolve_ds_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[str, Any]:
+    """The run's DeepSpeed dict, checked against the guides' pitfalls before any work (errors refuse the run)."""
+    ds_config = deepspeed_config(cfg, world_size, hidden_size)
+    lint_at_start(ds_config, config_to_dict(cfg), hidden_size=hidden_size, world_size=world_size)
+    return ds_config
+
+
+def build_model(cfg: NLPConfig, config: Any, attention: str) -> Any:
+    """The causal LM, randomly initialised from ``config`` or loaded from the model folder.
+
+    Under ZeRO-3 the caller keeps DeepSpeed's partitioned construction active (Lightning's ``configure_model``,
+    Accelerate's ``zero3_init_flag``): ``from_config`` and ``from_pretrained`` then create every weight already
+    sharded.
+    """
+    torch.manual_seed(cfg.seed)
+    if cfg.pretrained is None:
+        model = build_model_from_config(config, attn_implementation=attention)
+    else:
+        model = load_pretrained(
+            cfg.pretrained,
+            torch_dtype=torch.float32,
+            attn_implementation=attention,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    model.config.use_cache = False  # training: no KV cache
+    if cfg.activation_checkpointing != "none":
+        block = llama_block_class() if model.config.model_type == "llama" else None
+        report = apply_activation_checkpointing(
+            model, cfg.activation_checkpointing, block_classes=[block] if block else None
+        )
+        print(report.summary())
+    return model
+
+
+def param_sizes(model: torch.nn.Module) -> list[int]:
+    """Element count of every parameter (whole sizes, also when ZeRO-3 has partitioned them)."""
+    return [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: matrices decay, norm weights (1-D) do not. ZeRO-3 shards are empty: read ``ds_shape``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    ndim = [len(getattr(p, "ds_shape", p.shape)) for p in params]
+    return [
+        {"params": [p for p, n in zip(params, ndim) if n >= 2], "weight_decay": weight_decay},
+        {"params": [p for p, n in zip(params, ndim) if n < 2], "weight_decay": 0.0},
+    ]
+
+
+def held_param_elements(model: torch.nn.Module) -> int:
+    """Parameter elements this rank holds: under ZeRO-3 its partitions (``ds_tensor``), else whole tensors."""
+    held = 0
+    for param in model.parameters():
+        ds_tensor = getattr(param, "ds_tensor", None)
+        held += ds_tensor.numel() if ds_tensor is not None else param.numel()
+    return held
+
+
+def lr_lambda(cfg: NLPConfig) -> Any:
+    """LambdaLR multiplier: warmup, then cosine to ``min_lr_ratio``."""
+    return lambda step: cosine_with_warmup(step, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+
+
+def lm_loss(model: Any, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, in fp32 whatever the weights' dtype (labels are already shifted)."""
+    logits = model(input_ids=input_ids, use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+@torch.no_grad()
+def evaluate(model: Any, batches: list[torch.Tensor], device: torch.device) -> float:
+    """Mean validation loss over every rank's blocks (all ranks must call it: ZeRO-3 forwards are collective)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for block in batches:
+        block = block.to(device)
+        total[0] += lm_loss(model, block[:, :-1], block[:, 1:]).double() * block.shape[0]
+        total[1] += block.shape[0]
+    model.train(was_training)
+    total = all_reduce(total)
+    return float(total[0] / total[1])
+
+
+# --- memory plan ---------------------------------------------------------------------------------
+
+
+@dataclass
+class MemoryPlan:
+    """What each rank should hold (guide 1, 2.2), with stage-3 persistent parameters kept whole."""
+
+    num_params: int
+    persistent_params: int  # elements under stage3_param_persistence_threshold: whole on every rank
+    stage: int
+    precision: str
+    world_size: int
+    predicted_bytes_per_rank: dict[str, int]  # params, grads, optimizer, model_states after a step
+    grads_during_backward_bytes: int
+
+    def text(self) -> str:
+        """The lines printed before training."""
+        p, mb = self.predicted_bytes_per_rank, 1e6
+        return (
+            f"memory plan: ZeRO-{self.stage} {self.precision}, {self.world_size} rank(s), "
+            f"{self.num_params / 1e6:.2f}M parameters ({self.persistent_params / 1e6:.2f}M under the "
+            f"persistence threshold stay whole on every rank)\n"
+            f"  each rank holds (predicted, after a step): params {p['params'] / mb:.1f} MB + optimizer "
+            f"{p['optimizer'] / mb:.1f} MB (fp32 master + Adam m, v) = {p['model_states'] / mb:.1f} MB of model "
+            f"states; gradients add {self.grads_during_backward_bytes / mb:.1f} MB during backward; activations "
+            "and ZeRO buffers come on top"
+        )
+
+
+def memory_plan(sizes: list[int], ds_config: dict[str, Any], world_size: int) -> MemoryPlan:
+    """The plan for parameters of ``sizes`` elements under ``ds_config`` on ``world_size`` ranks."""
+    stage, precision = zero_stage(ds_config), precision_of(ds_config)
+    persistent = persistent_elements(sizes, ds_config)
+    predicted = predicted_model_state_bytes(sum(sizes), stage, world_size, precision, persistent_params=persistent)
+    during = predicted_model_state_bytes(sum(sizes), stage, world_size, precision, True, persistent)
+    return MemoryPlan(
+        num_params=sum(sizes),
+        persistent_params=persistent,
+        stage=stage,
+        precision=precision,
+        world_size=world_size,
+        predicted_bytes_per_rank={k: int(v) for k, v in predicted.items()},
+        grads_during_backward_bytes=int(during["grads"]),
+    )
+
+
+def measured_text(measured: dict[str, int]) -> str:
+    """The line printed after the first step: what the DeepSpeed engine really holds on rank 0."""
+    mb = 1e6
+    return (
+        f"memory measured on rank 0 after its first step: params {measured['params'] / mb:.1f} MB, optimizer "
+        f"{measured['optimizer'] / mb:.1f} MB, grads {measured['grads'] / mb:.1f} MB = model states "
+        f"{measured['model_states'] / mb:.1f} MB; ZeRO buffers {measured['buffers'] / mb:.1f} MB"
+    )
+
+
+# --- what --describe prints ----------------------------------------------------------------------
+
+
+def describe(cfg: NLPConfig) -> RecipeDescription:
+    """The run as the planning tools see it: reads the model's config only (no corpus, no weights), writes nothing.
+
+    Parameters are counted on the meta device. A named size's vocabulary is the tokenizer's when one exists already
+    (``tokenizer=``, the model folder's, or the run's own on resume), else ``vocab_size`` (the BPE the run would
+    train has that many tokens).
+    """
+    devices, num_nodes = local_world(cfg.devices, cfg.num_nodes)
+    world_size = devices * num_nodes
+    own_tokenizer = cfg.resume and (Path(cfg.out_dir) / TOKENIZER_DIR).is_dir()
+    source = tokenizer_source(cfg, trained_here=own_tokenizer)
+    config = model_config(cfg, load_tokenizer(source) if source else None)
+    facts = facts_from_model_config(config, source=f"recipe nlp (model={cfg.model})")
+    ds_config = deepspeed_config(cfg, world_size, config.hidden_size)
+    return RecipeDescription(
+        recipe="nlp",
+        config=config_to_dict(cfg),
+        world_size=world_size,
+        devices_per_node=devices,
+        num_nodes=num_nodes,
+        ds_config=ds_config,
+        model=facts,
+        seq_len=cfg.seq_len,
+        micro_batch_size=cfg.micro_batch_size,
+        persistent_params=persistent_elements(facts.param_numels, ds_config),
+    )
+
+
+# --- run files -----------------------------------------------------------------------------------
+
+
+def write_run_files(
+    cfg: NLPConfig,
+    out_dir: Path,
+    ds_config: dict[str, Any],
+    data: LMData,
+    world_size: int,
+    device: str,
+    trained_tokenizer: bool,
+) -> None:
+    """Rank 0: ``config.yaml``, ``ds_config.json``, ``env.json`` and the trained tokenizer."""
+    write_text_atomic(out_dir / "config.yaml", dump_yaml(config_to_dict(cfg)))
+    write_json_atomic(out_dir / "ds_config.json", ds_config)
+    if trained_tokenizer:
+        data.tokenizer.save_pretrained(str(out_dir / TOKENIZER_DIR))
+    # Last: ranks on other nodes wait for env.json before they load the tokenizer (load_data).
+    write_json_atomic(out_dir / "env.json", {**env_info(device, world_size), "data": data.info()})
+
+
+def initial_val_loss(out_dir: Path) -> float | None:
+    """The step-0 validation loss recorded in ``metrics.jsonl`` (read back on resume)."""
+    return next((r["val_loss"] for r in read_metrics(out_dir) if r["step"] == 0 and "val_loss" in r), None)
+
+
+def final_export(
+    model: Any,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer: Any,
+    out_dir: Path,
+    fixed_batch: torch.Tensor,
+    trained_logits: torch.Tensor,
+    cfg: NLPConfig,
+    attention: str,
+    device: torch.device,
+) -> tuple[dict[str, Any], str]:
+    """Rank 0: write ``final/`` (Hugging Face format), reload it, compare logits, and generate the sample.
+
+    The reload is what a user does with the export (``AutoModelForCausalLM.from_pretrained``), so the check
+    proves the consolidated weights are the trained ones; the sample comes from the reloaded copy too (on
+    rank 0's device: a 7B model would take minutes to generate on a CPU).
+
+    Returns:
+        ``summary.json``'s ``export_check`` and ``sample`` (the prompt and its continuation).
+    """
+    unset_hf_deepspeed_config()  # training is over: what follows is plain single-process transformers code
+    keys = set(model.state_dict())  # drop non-persistent buffers (rotary inv_freq): not part of a checkpoint
+    final = save_hf_model(model, {k: v for k, v in state_dict.items() if k in keys}, out_dir / "final", tokenizer)
+    reloaded = AutoModelForCausalLM.from_pretrained(
+        str(final), local_files_only=True, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code
+    )
+    reloaded.to(device).eval()
+    with torch.no_grad():
+        logits = reloaded(input_ids=fixed_batch[:, :-1].to(device), use_cache=False).logits.float().cpu()
+    scale = trained_logits.abs().max().item()
+    check = {
+        "batch": list(fixed_batch[:, :-1].shape),
+        "dtype": str(next(reloaded.parameters()).dtype).removeprefix("torch."),
+        "max_abs_logit_diff": (logits - trained_logits).abs().max().item(),
+        "max_abs_logit": scale,
+        "loss_trained": F.cross_entropy(trained_logits.flatten(0, 1), fixed_batch[:, 1:].flatten()).item(),
+        "loss_reloaded": F.cross_entropy(logits.flatten(0, 1), fixed_batch[:, 1:].flatten()).item(),
+    }
+    check["ok"] = check["max_abs_logit_diff"] <= 2**-6 * max(1.0, scale)  # a few bf16 ulps of the largest logit
+    continuation = ""
+    if cfg.sample_tokens:
+        # Greedy, so a rerun gives the same text; the penalty keeps a small model out of one-token loops.
+        continuation = generate_sample(
+            reloaded,
+            AutoTokenizer.from_pretrained(str(final)),
+            cfg.sample_prompt,
+            cfg.sample_tokens,
+            repetition_penalty=1.3,
+        )
+    return check, cfg.sample_prompt + continuation
+
+
+# --- summary.json --------------------------------------------------------------------------------
+
+
+@dataclass
+class NLPSummary:
+    """``summary.json``: the keys every recipe reports, plus the NLP figures (the same keys on both backends)."""
+
+    val_loss: float  # the last evaluation's, over every rank's validation blocks
+    val_perplexity: float
+    initial_val_loss: float | None  # step 0's (read back from metrics.jsonl on resume)
+    val_loss_ratio: float | None
+    throughput: dict[str, Any]  # tokens/s/device over the median step
+    mfu: float | None  # None on a CPU or an unknown GPU
+    peak_memory_bytes: int  # the largest over ranks
+    memory_kind: str
+    model_state_bytes_per_rank: int | None  # counted on the DeepSpeed engine after the first step
+    wall_time_s: float  # rank 0, from the start of main()
+    preset: str
+    zero_stage: int
+    stage3_param_persistence_threshold: int | None
+    world_size: int
+    attention: str
+    precision: str
+    model: str
+    backend: str
+    steps: int
+    tokens_per_step: int  # over all ranks
+    median_step_s: float
+    model_state_bytes_measured: dict[str, int]
+    memory_plan: MemoryPlan
+    params_at_construction: dict[str, int]  # elements rank 0 held right after construction, of num_params
+    data: dict[str, Any]
+    export_check: dict[str, Any]
+    sample: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def headline(self, out_dir: Path) -> str:
+        """The lines printed when the run ends."""
+        initial = f"{self.initial_val_loss:.4f}" if self.initial_val_loss is not None else "n/a"
+        ratio = f"{self.val_loss_ratio:.3f}" if self.val_loss_ratio is not None else "n/a"
+        return (
+            f"sample: {self.sample!r}\n"
+            f"val_loss {self.val_loss:.4f} (step 0: {initial}, ratio {ratio}); "
+            f"{self.throughput['value']:.0f} tokens/s/device; wall {self.wall_time_s:.0f} s; run directory {out_dir}"
+        )
+
+
+def finish(
+    cfg: NLPConfig,
+    ds_config: dict[str, Any],
+    model: Any,
+    data: LMData,
+    config: Any,
+    attention: str,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    clock: Clock,
+    backend: str,
+    steps: int,
+    val_loss: float,
+    model_states: dict[str, int],
+    plan: MemoryPlan,
+    held_at_construction: int,
+) -> NLPSummary | None:
+    """After training, on every rank: logits on a fixed batch, whole weights and peak memory (collective); then rank 0
+    writes ``final/``, checks and samples it, and returns the summary (None on the other ranks).
+
+    Args:
+        model: the transformers model (its ZeRO-3 parameters are gathered one at a time).
+        config: the model's config (FLOPs per token for the MFU).
+        val_loss: the last evaluation's.
+        model_states: ``common.accounting.model_state_bytes`` after the first step ({} when no step ran).
+        held_at_construction: parameter elements rank 0 held right after construction.
+    """
+    out_dir = Path(cfg.out_dir)
+    fixed = data.val.blocks[:2]
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=fixed[:, :-1].to(device), use_cache=False).logits.float().cpu()
+    state = gather_full_state_dict(model, rank)
+    peak = int(all_reduce(torch.tensor(float(peak_memory_bytes()), device=device), "max").item())
+    if rank != 0:
+        return None
+    export_check, sample = final_export(model, state, data.tokenizer, out_dir, fixed, logits, cfg, attention, device)
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len  # per rank
+    tokens_per_s = tokens_per_step / clock.median_step()
+    initial = initial_val_loss(out_dir)
+    return NLPSummary(
+        val_loss=val_loss,
+        val_perplexity=math.exp(min(val_loss, 700.0)),
+        initial_val_loss=initial,
+        val_loss_ratio=val_loss / initial if initial else None,
+        throughput=throughput(tokens_per_s, "tokens/s/device"),
+        mfu=mfu(tokens_per_s, flops_per_token(config, cfg.seq_len), gpu_peak_flops()),
+        peak_memory_bytes=peak,
+        memory_kind=memory_kind(),
+        model_state_bytes_per_rank=model_states.get("model_states"),
+        wall_time_s=round(clock.wall(), 1),
+        preset=cfg.preset,
+        zero_stage=zero_stage(ds_config),
+        stage3_param_persistence_threshold=ds_config["zero_optimization"].get("stage3_param_persistence_threshold"),
+        world_size=world_size,
+        attention=attention,
+        precision=precision_of(ds_config),
+        model=cfg.model,
+        backend=backend,
+        steps=steps,
+        tokens_per_step=tokens_per_step * world_size,
+        median_step_s=round(clock.median_step(), 4),
+        model_state_bytes_measured=model_states,
+        memory_plan=plan,
+        params_at_construction={"elements_on_rank0": held_at_construction, "num_params": plan.num_params},
+        data=data.info(),
+        export_check=export_check,
+        sample=sample,
+    )

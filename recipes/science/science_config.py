@@ -1,0 +1,136 @@
+"""The science recipe's config: every key of ``configs/*.yaml``, checked when it is built.
+
+``train.py`` and ``train_accelerate.py`` read it with ``common.config.parse_recipe_args``; what the run does with
+it (data, model, evaluation, run files) is in ``operator_learning.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.activation import check_preset
+from common.errors import ConfigError, nearest
+from common.presets import PRESET_NAMES
+from common.strategy import RunFacts, resolve_deepspeed_config
+from science.fno import min_grid_size
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_cpu.yaml"
+MODELS = ("fno1d",)
+# Guide 2, 7.3: precision matters in science; fp16's 5-bit exponent and 10-bit mantissa are refused.
+PRECISIONS = ("bf16", "fp32")
+# fmt: off
+POSITIVE_KEYS = ("max_steps", "num_nodes", "micro_batch_size", "grad_accum", "modes", "width", "n_layers", "proj_width",
+                 "n_train", "grid_size", "solve_grid", "data_workers", "superres_factor", "eval_interval",
+                 "checkpoint_interval", "log_interval", "collective_timeout_s")
+# fmt: on
+
+# A tiny few-step run a user can type too; `zero-recipes cp`'s generated smoke test uses it.
+SMOKE_OVERRIDES: list[str] = [
+    "max_steps=8",
+    "n_train=40",
+    "n_test=8",
+    "grid_size=64",
+    "solve_grid=256",
+    "modes=8",
+    "width=16",
+    "n_layers=2",
+    "proj_width=32",
+    "micro_batch_size=4",
+    "data_workers=1",
+    "eval_interval=4",
+    "checkpoint_interval=8",
+]
+
+
+@dataclass
+class ScienceConfig:
+    """Every key of the science recipe; ``configs/*.yaml`` and ``key=value`` overrides set them."""
+
+    # --- run ---
+    out_dir: str = "runs/science"
+    overwrite: bool = False  # replace an existing out_dir
+    resume: bool = False  # continue from out_dir/checkpoints/latest
+    max_steps: int = 1500  # optimizer steps
+    devices: int = 0  # 0: every GPU, or 2 CPU processes without a GPU (Lightning; Accelerate takes its launcher's)
+    num_nodes: int = 1
+    seed: int = 0
+    collective_timeout_s: int = 900  # a rank waiting this long in a collective fails: a dead rank stops the others
+    # --- DeepSpeed ---
+    preset: str = "science"  # ZeRO-2, bf16, round_robin_gradients (zero-recipes ls)
+    precision: str = "bf16"  # bf16 or fp32; fp16 is refused (guide 2, 7.3)
+    ds_overrides: list[str] = field(default_factory=list)  # DeepSpeed key=value, e.g. zero_optimization.stage=1
+    activation_checkpointing: str = "none"  # none|full|every_k|save_memory_optimized: compute traded for memory
+    gradient_clipping: float = 0.0  # max gradient norm, 0 = off
+    nvme_path: str = ""  # local NVMe folder the *_offload_nvme presets swap to ("": none)
+    # --- optimisation ---
+    micro_batch_size: int = 10  # samples per rank per forward pass: more memory, fewer steps per epoch
+    grad_accum: int = 1  # micro-batches per optimizer step: a larger batch at no extra memory
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio (1.0 = constant lr after warmup)
+    weight_decay: float = 1e-4
+    warmup_steps: int = 0
+    # --- model (FNO-1D, Li et al. 2021) ---
+    model: str = "fno1d"
+    modes: int = 16  # Fourier modes kept per layer
+    width: int = 64  # channels: parameters grow with width^2 x modes
+    n_layers: int = 4
+    proj_width: int = 128
+    fp32_head: bool = True  # under bf16 the projection head computes in fp32 (docs/science.md: why)
+    # --- data ---
+    data: str = "burgers"  # 'burgers' (generated here) or a path to an .npz with arrays x and y [N, grid]
+    n_train: int = 1000
+    n_test: int = 200
+    grid_size: int = 256  # training resolution; must divide solve_grid
+    viscosity: float = 0.1  # the paper's text; its public generator uses 0.001 (harder)
+    solve_grid: int = 1024
+    data_seed: int = 0
+    cache_dir: str = "~/.cache/zero-recipes/burgers"
+    data_workers: int = 2  # solver processes when the data are not cached yet
+    val_fraction: float = 0.2  # held-out share of a user's .npz
+    superres_factor: int = 4  # also test at grid_size x this (zero-shot super-resolution); 1 = off
+    # --- logging ---
+    eval_interval: int = 250
+    checkpoint_interval: int = 500
+    log_interval: int = 10
+    trust_remote_code: bool = False  # no hub models here; kept for the common key set
+
+    def __post_init__(self) -> None:
+        for name in POSITIVE_KEYS:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("devices", "n_test", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.precision == "fp16":
+            # The science preset refuses it in the factory; the recipe refuses it whatever the preset.
+            resolve_deepspeed_config("science", RunFacts(precision="fp16"))
+        if self.precision not in PRECISIONS:
+            hint = nearest(self.precision, PRECISIONS)
+            raise ConfigError(f"precision must be bf16 or fp32, got {self.precision!r}{hint}")
+        if self.preset not in PRESET_NAMES:
+            raise ConfigError(f"unknown preset {self.preset!r}{nearest(self.preset, PRESET_NAMES)}")
+        check_preset(self.activation_checkpointing)
+        if self.activation_checkpointing == "selective":
+            raise ConfigError("activation_checkpointing=selective needs attention layers; the FNO has none (use full)")
+        if self.model not in MODELS:
+            raise ConfigError(f"unknown model {self.model!r}{nearest(self.model, MODELS)}; valid: {', '.join(MODELS)}")
+        if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0 or self.weight_decay < 0:
+            raise ConfigError("need lr > 0, 0 <= min_lr_ratio <= 1 and weight_decay >= 0")
+        if self.viscosity <= 0:
+            raise ConfigError(f"viscosity must be > 0, got {self.viscosity}")
+        if self.data == "burgers":
+            if self.grid_size < min_grid_size(self.modes):
+                raise ConfigError(
+                    f"grid_size {self.grid_size} is too coarse for modes={self.modes} "
+                    f"(needs >= {min_grid_size(self.modes)} points)"
+                )
+            finest = self.grid_size * self.superres_factor
+            if self.solve_grid % self.grid_size or self.solve_grid % finest:
+                raise ConfigError(f"grid_size x superres_factor ({finest}) must divide solve_grid ({self.solve_grid})")
+            if self.n_test < 1:
+                raise ConfigError("n_test must be >= 1 to measure the error")
+        if self.resume and self.overwrite:
+            raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
+        if self.trust_remote_code:
+            raise ConfigError("trust_remote_code has no use in the science recipe (it loads no hub code)")

@@ -1,0 +1,78 @@
+"""The tools work on a recipe copied by ``zero-recipes cp`` into another folder, outside the repository.
+
+The tools talk to a recipe only through its command line (``--describe`` and its measured runs), so a copy the
+user edited is estimated, linted and probed as its own recipe: the copy's model, not the shipped one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from _util import subprocess_env
+
+# The probe's candidate run: a few steps on a small grid (what the recipe's SMOKE_OVERRIDES run).
+TINY_SCIENCE = [
+    arg
+    for kv in ("n_train=40", "n_test=8", "grid_size=64", "solve_grid=256", "modes=8", "width=16", "n_layers=2",
+               "proj_width=32", "micro_batch_size=4", "data_workers=1")
+    for arg in ("--set", kv)
+]  # fmt: skip
+
+
+def zr(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [shutil.which("zero-recipes"), *args],
+        cwd=cwd,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+@pytest.fixture
+def science_copy(tmp_path):
+    """A copy of the science recipe whose model the user widened (``width`` 64 -> 96 in the copy's config)."""
+    out = zr("cp", "science", "my_science", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    config = tmp_path / "my_science" / "configs" / "tiny_cpu.yaml"
+    text = config.read_text()
+    assert "\nwidth: " in text, "the science tiny config no longer sets width: pick another knob for this test"
+    lines = [("width: 96" if line.startswith("width: ") else line) for line in text.splitlines()]
+    config.write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+def params_line(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("model: "))
+
+
+def test_estimate_and_lint_read_the_copy_not_the_shipped_recipe(science_copy):
+    copied = zr("estimate", "--recipe", "my_science", cwd=science_copy)
+    shipped = zr("estimate", "--recipe", "science", cwd=science_copy)
+    assert copied.returncode == 0 and shipped.returncode == 0, copied.stderr + shipped.stderr
+    # The widened model of the copy has more parameters than the shipped one: the copy's own code counted it.
+    assert params_line(copied.stdout) != params_line(shipped.stdout)
+
+    for args in (["my_science/configs/tiny_cpu.yaml"], ["my_science/configs/tiny_cpu.yaml", "--recipe", "my_science"]):
+        linted = zr("lint", *args, cwd=science_copy)
+        assert linted.returncode == 0, linted.stdout + linted.stderr
+        assert "recipe-unknown" not in linted.stdout, linted.stdout  # linted as the copy's own recipe
+        assert "Traceback" not in linted.stderr
+
+
+@pytest.mark.slow
+def test_probe_measures_the_copy(science_copy):
+    out = science_copy / "probe"
+    probed = zr(
+        "probe", "my_science", "--candidates", "deepspeed_stage_2", "--steps", "2", "--devices", "1",
+        "--out", str(out), *TINY_SCIENCE, cwd=science_copy,
+    )  # fmt: skip
+    assert probed.returncode == 0, probed.stdout[-2000:] + probed.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    (row,) = report["rows"]
+    assert row["status"] == "ok" and row["model_state_bytes_per_rank"] > 0, row
+    assert (out / "recommended.yaml").is_file()
