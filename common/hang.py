@@ -243,20 +243,35 @@ class HangMonitor:
     crash_file: Any = None
     crash_path: Path | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
 
     def start(self) -> None:
-        threading.Thread(target=self._watch, name="zr-hang-watchdog", daemon=True).start()
+        self.thread = threading.Thread(target=self._watch, name="zr-hang-watchdog", daemon=True)
+        self.thread.start()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """At exit: end the watchdog before the interpreter tears down. A daemon thread left inside a store call
+        while the process exits aborted the process ("terminate called without an active exception", seen in
+        CI after healthy runs)."""
+        self.stopping.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=5 * POLL_S)
+        self.store = None
 
     # the watchdog
 
     def _watch(self) -> None:
         while not self.ensure_attached():
-            time.sleep(POLL_S)
-        while True:
-            time.sleep(POLL_S)
+            if self.stopping.wait(POLL_S):
+                return
+        while not self.stopping.wait(POLL_S):
             if self.reported_at is not None:
                 if time.monotonic() - self.reported_at > EXIT_GRACE_S:
                     self._exit_now("did not exit after its hang report")
+                continue
+            if not dist.is_initialized():  # the process group is gone (the run ended), its store with it
                 continue
             abort = self._peer_abort() if not self.reported else None
             # The main thread may be writing its own report (its collective failed too): let it finish.
