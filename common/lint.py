@@ -28,6 +28,16 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from common.errors import ConfigError
+from common.memory_formulas import (
+    MIN_SWAPPED_BYTES,
+    USABLE_FRACTION,
+    WORKING_BYTES,
+    ModelFacts,
+    guide_model_states,
+    local_device_memory,
+    transformer_activations,
+)
+from common.strategy import AIO_KEYS, AIO_OLD_NAMES
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -512,8 +522,6 @@ def rule_stage3_full_checkpointing(view: LintView) -> list[Finding]:
 def _offload_host_bytes(view: LintView) -> float | None:
     if not view.num_params:
         return None
-    from common.memory_formulas import ModelFacts, guide_model_states
-
     offload = "params" if view.offload_device("offload_param") == "cpu" else "optimizer"
     precision = view.precision if view.precision in ("bf16", "fp16", "fp32") else "bf16"
     _, host = guide_model_states(
@@ -620,8 +628,6 @@ def rule_stage3_needs_checkpointing(view: LintView) -> list[Finding]:
         return []
     if view.recipe("activation_checkpointing", "none") != "none":
         return []
-    from common.memory_formulas import USABLE_FRACTION, transformer_activations
-
     seq_len = int(view.recipe("seq_len") or 0)
     batch = int(view.recipe("micro_batch_size") or (view.ds_config or {}).get("train_micro_batch_size_per_gpu") or 1)
     if not seq_len:
@@ -852,8 +858,6 @@ def rule_nvme_offload_stage_1_2(view: LintView) -> list[Finding]:
 
 
 def _swap_threshold_bytes(view: LintView) -> int:
-    from common.memory_formulas import MIN_SWAPPED_BYTES
-
     aio = (view.ds_config or {}).get("aio")
     block = _number(aio.get("block_size")) if isinstance(aio, dict) else None
     return int(max(MIN_SWAPPED_BYTES, block or 0))
@@ -863,8 +867,6 @@ def rule_nvme_small_partitions(view: LintView) -> list[Finding]:
     """DeepSpeed swaps a parameter partition only when it has at least max(1 MiB, aio.block_size) bytes."""
     if view.offload_device("offload_param") != "nvme" or view.model is None or not view.model.param_numels:
         return []
-    from common.memory_formulas import WORKING_BYTES
-
     bytes_per = WORKING_BYTES.get(view.precision, 2)
     threshold = _swap_threshold_bytes(view)
     ranks = max(1, view.world_size)
@@ -906,8 +908,6 @@ def rule_nvme_param_buffer(view: LintView) -> list[Finding]:
 
 def rule_aio_keys(view: LintView) -> list[Finding]:
     """The ``aio`` section: DeepSpeed 0.19 reads six keys and ignores any other without a word."""
-    from common.strategy import AIO_KEYS, AIO_OLD_NAMES
-
     aio = (view.ds_config or {}).get("aio")
     if not isinstance(aio, dict):
         return []
@@ -1151,8 +1151,6 @@ def _available_host_ram() -> float | None:
 
 def _local_memory(ranks_per_node: int) -> tuple[float, str] | None:
     """What one rank has on this machine (:func:`common.memory_formulas.local_device_memory`); None when unknown."""
-    from common.memory_formulas import local_device_memory
-
     try:
         return local_device_memory(ranks_per_node)
     except Exception:  # no psutil, or a GPU that cannot be queried: the check is skipped
