@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from common.accounting import model_state_bytes
+from common.hang import watchdog_cost
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
 from nlp.model import build_llama_config, build_model_from_config
 
@@ -119,6 +120,7 @@ def rank_report(engine, times: dict[str, list[float]]) -> list[dict]:
         "cpu_step_times": times["cpu"],
         "thread_cpu_step_times": times["thread_cpu"],
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+        "hang_watchdog": watchdog_cost(),  # None when hang detection is off (or never armed: the raw loop)
         **model_state_bytes(engine),
     }
     everyone: list[dict | None] = [None] * torch.distributed.get_world_size()

@@ -114,6 +114,13 @@ def enable_hang_detection(timeout: datetime.timedelta | None = None, run_dir: st
         _MONITOR.settings = settings
 
 
+def watchdog_cost() -> dict[str, float] | None:
+    """This process's watchdog so far: ``{"cpu_s": its thread's CPU seconds, "polls": how often it woke}``."""
+    if _MONITOR is None:
+        return None
+    return {"cpu_s": _MONITOR.cpu_s, "polls": float(_MONITOR.polls)}
+
+
 def report_failure(exception: BaseException) -> None:
     """Called where a backend sees a training exception (Lightning's ``on_exception``, the excepthook)."""
     if _MONITOR is not None and is_reportable(exception) and _MONITOR.ensure_attached():
@@ -245,6 +252,9 @@ class HangMonitor:
     lock: threading.Lock = field(default_factory=threading.Lock)
     stopping: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    # What the watchdog itself costs a healthy run (bench/hang_overhead.py): its thread's CPU time and its polls.
+    cpu_s: float = 0.0
+    polls: int = 0
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._watch, name="zr-hang-watchdog", daemon=True)
@@ -267,6 +277,8 @@ class HangMonitor:
             if self.stopping.wait(POLL_S):
                 return
         while not self.stopping.wait(POLL_S):
+            self.polls += 1
+            self.cpu_s = time.thread_time()  # this thread's CPU time so far: everything the watchdog did
             if self.reported_at is not None:
                 if time.monotonic() - self.reported_at > EXIT_GRACE_S:
                     self._exit_now("did not exit after its hang report")
