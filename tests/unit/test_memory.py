@@ -274,16 +274,56 @@ def test_recipe_input_reads_the_recipe_and_labels_the_device():
     assert data["inputs"]["device_memory_label"]  # "local GPU: ..." or "no GPU: host RAM ..."
 
 
-def test_tools_md_example_is_the_commands_output():
-    """docs/tools.md shows guide 1's table as `estimate` prints it: the block must equal a fresh run, line for line."""
-    text = (DOCS / "tools.md").read_text()
-    command = "zero-recipes estimate --params 7e9 --gpus 8 --gpu-memory 80GB"
+@pytest.mark.parametrize(
+    "doc, command",
+    [
+        ("tools.md", "zero-recipes estimate --params 7e9 --gpus 8 --gpu-memory 80GB"),
+        ("choosing_a_stage.md", "zero-recipes estimate --params 7e9 --gpus 8 --gpu-memory 80GB --offload nvme"),
+    ],
+)
+def test_docs_example_is_the_commands_output(doc, command):
+    """The docs show guide 1's 7B example as `estimate` prints it: the block must equal a fresh run, line for line."""
+    text = (DOCS / doc).read_text()
     match = re.search(rf"```\n\$ {re.escape(command)}\n(.*?)\n```", text, re.S)
-    assert match, f"docs/tools.md: no example block for `{command}`"
+    assert match, f"docs/{doc}: no example block for `{command}`"
     out = cli(*command.split()[1:])
     assert out.returncode == 0, out.stderr
-    fix = f"paste the output of `{command}` into docs/tools.md"
+    fix = f"paste the output of `{command}` into docs/{doc}"
     assert match.group(1).splitlines() == out.stdout.rstrip("\n").splitlines(), fix
+
+
+def test_offload_time_column_on_guide_1s_7b_example_by_hand():
+    """The time column for 7B on 8 GPUs, summed by hand from the bytes each step moves (docs/choosing_a_stage.md).
+
+    Per rank k = 875M elements, bf16. Optimizer offload: PCIe 2k (gradients out) + 2k (parameters back); DRAM
+    16k (CPU Adam reads) + 14k (writes) + 4k (fp32 gradients) = 34k, shared by 8 ranks. Parameter offload adds
+    2 x 2k of fetches to PCIe and DRAM. NVMe: 4k fetches + 2k written + 24k master/m/v read and written + 8k
+    fp32 gradients written and read = 38k per rank, 8 ranks, 2-4 GB/s.
+    """
+    k = 7e9 / 8
+    expected = {  # (offload) -> {link: (fast, slow) seconds}
+        "optimizer": {"pcie": 4 * k / 32e9, "dram": 8 * 34 * k / 100e9},
+        "params": {"pcie": 8 * k / 32e9, "dram": 8 * 38 * k / 100e9},
+        "nvme": {"pcie": 8 * k / 32e9, "dram": 8 * 38 * k / 100e9, "nvme": 8 * 38 * k / 4e9},
+    }
+    facts = memory_formulas.assumed_transformer(7_000_000_000)
+    rows = {(r.stage, r.offload): r for r in memory.plan(facts, PlanInputs(gpus_per_node=8)).rows}
+    for offload, links in expected.items():
+        row = rows[(3, offload)]
+        assert row.link_seconds.keys() == links.keys()
+        for link, fast in links.items():
+            slow = fast * 2  # guide 1's table: every link's low figure is half its high one
+            assert row.link_seconds[link] == pytest.approx((fast, slow), rel=1e-12), (offload, link)
+        slowest = max(links, key=links.get)
+        assert row.slowest_link == slowest and row.offload_seconds == pytest.approx(row.link_seconds[slowest])
+    assert rows[(3, "nvme")].offload_seconds == pytest.approx((66.5, 133.0))
+    assert rows[(3, "none")].offload_seconds is None
+    # A measured disk replaces guide 1's range by one figure (bench/nvme_io.py measures it).
+    measured = memory.plan(
+        facts, PlanInputs(gpus_per_node=8, bandwidth_gbps=memory_formulas.parse_bandwidths(["nvme=1.7"]))
+    )
+    nvme = next(r for r in measured.rows if r.offload == "nvme")
+    assert nvme.offload_seconds == pytest.approx((8 * 38 * k / 1.7e9,) * 2)
 
 
 def test_tools_md_claim_about_guide_1s_measured_totals():
