@@ -5,7 +5,8 @@
     python bench/gpu.py --cpu --variants stage2,ac_full --doc /tmp/x.md --json /tmp/x.json   # a subset, elsewhere
     python bench/gpu.py --cpu --render    # rewrite the section from bench/results/gpu_cpu_mode.json, measuring nothing
 
-Variants (one fresh process each, bench/_gpu_worker.py): ZeRO stages 0-3 and stage 3 + CPU offload with the
+Variants (one fresh process each, bench/_gpu_worker.py): ZeRO stages 0-3, stage 3 + CPU offload, ZeRO++ beside
+stage 3, NVMe offload, ZenFlow and bf16 optimizer states (issue 17), each with the
 config's attention (``auto``: FlashAttention-2 when flash-attn is installed on a GPU, else SDPA) and its
 activation checkpointing (``selective`` in llama_1b.yaml); SDPA forced, to compare with FlashAttention-2;
 activation-checkpointing presets none / full / every_k. Reports tokens/s, MFU (PaLM's FLOPs count,
@@ -50,6 +51,23 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "stage2": ("deepspeed_stage_2", []),
     "stage3": ("deepspeed_stage_3", []),
     "stage3_offload": ("deepspeed_stage_3_offload", []),
+    # Issue 17: ZeRO++ beside plain stage 3 (qwZ and qgZ use DeepSpeed's CUDA quantizer kernels; on one GPU hpZ
+    # has one device per node and is off), NVMe offload (ZeRO-Infinity) into the run's temporary folder, and the
+    # newer offload engines: ZenFlow (stall-free ZeRO-Offload) and bf16 optimizer states.
+    "stage3_zeropp": ("deepspeed_stage_3_zeropp", []),
+    "stage3_nvme": ("deepspeed_stage_3_offload_nvme", ["nvme_path={tmp}/nvme"]),
+    "stage2_zenflow": (
+        "deepspeed_stage_2_offload",
+        [
+            "ds_overrides=zero_optimization.zenflow.topk_ratio=0.05,zero_optimization.zenflow.select_strategy=auto,"
+            "zero_optimization.zenflow.update_interval=4,zero_optimization.zenflow.full_warm_up_rounds=0,"
+            "zero_optimization.zenflow.overlap_step=true"
+        ],
+    ),
+    "stage2_bf16_states": (
+        "deepspeed_stage_2",
+        ["ds_overrides=bf16.bf16_master_weights_and_grads=true,bf16.bf16_optimizer_states=true"],
+    ),
     "sdpa": ("ddp", ["attention=sdpa"]),
     "ac_none": ("ddp", ["activation_checkpointing=none"]),
     "ac_full": ("ddp", ["activation_checkpointing=full"]),
@@ -60,6 +78,7 @@ GiB = 2**30
 
 def run_variant(name: str, base: dict, tmp: Path) -> dict:
     preset, extra = VARIANTS[name]
+    extra = [item.replace("{tmp}", str(tmp / name)) for item in extra]  # a folder of the variant's own
     variant = {**base, "name": name, "overrides": [*base["overrides"], f"preset={preset}", *extra]}
     out = tmp / f"{name}.json"
     started = time.perf_counter()

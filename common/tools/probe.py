@@ -37,7 +37,7 @@ from tqdm import tqdm
 from common.activation import check_preset
 from common.describe import RecipeDescription
 from common.errors import ConfigError, nearest
-from common.memory_formulas import local_device_memory
+from common.memory_formulas import GUIDE_BANDWIDTH_GBPS, local_device_memory, parse_bandwidths
 from common.presets import PRESET_NAMES, get_preset
 from common.strategy import write_accelerate_files
 from common.tools.probe_report import (
@@ -46,6 +46,7 @@ from common.tools.probe_report import (
     fastest,
     fmt_peak,
     fmt_rate,
+    offload_timing,
     user_overrides,
     write_config_yaml,
     write_recommended_config,
@@ -93,10 +94,13 @@ def parse_candidates(text: str | None, ac_text: str | None) -> list[Candidate]:
 
 
 def preset_offload(preset: str) -> tuple[int, str]:
-    """(ZeRO stage, ``none`` / ``optimizer`` / ``params``) of a preset."""
+    """(ZeRO stage, ``none`` / ``optimizer`` / ``params`` / ``nvme``) of a preset: the planner's offload rows."""
     spec = get_preset(preset)
     zero = spec.get("zero_optimization", {})
-    offload = "params" if zero.get("offload_param") else "optimizer" if zero.get("offload_optimizer") else "none"
+    param = zero.get("offload_param") or {}
+    if param.get("device") == "nvme":
+        return int(spec["stage"]), "nvme"
+    offload = "params" if param else "optimizer" if zero.get("offload_optimizer") else "none"
     return int(spec["stage"]), offload
 
 
@@ -375,6 +379,7 @@ def run_probe(
     timeout_s: float = 1800.0,
     runner: Runner = run_subprocess,
     progress: bool = True,
+    bandwidth_gbps: dict[str, tuple[float, float]] | None = None,
 ) -> ProbeResult:
     """Run each candidate, measure it, recommend one, and write the reports.
 
@@ -390,6 +395,8 @@ def run_probe(
         timeout_s: per candidate; a candidate past it is a failed row.
         runner: runs one command (tests pass a fake).
         progress: show a progress bar over candidates on stderr.
+        bandwidth_gbps: each offload link's GB/s as (low, high) for the planner's time column beside the measured
+            offload cost (default: guide 1's table; ``--bandwidth`` gives this machine's).
 
     Returns:
         The result; on Ctrl-C the rows measured so far, with ``interrupted`` set (reports are written either way).
@@ -453,6 +460,14 @@ def run_probe(
         bar.write("probe: interrupted; keeping the rows measured so far", file=sys.stderr)
     finally:
         bar.close()
+    result.offload_timing = offload_timing(
+        result.rows,
+        base.model.num_params,
+        world_size=devices,
+        ranks_per_node=devices,
+        precision=str(base.config.get("precision", "bf16")),
+        bandwidth_gbps=bandwidth_gbps or dict(GUIDE_BANDWIDTH_GBPS),
+    )
     result.recommendation = recommend(result.rows, device_memory)
     config_path = write_recommended_config(result, config, overrides, out / "recommended.yaml")
     result.recommended_config = str(config_path) if config_path else None
@@ -493,6 +508,14 @@ def register(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="recipe config override for every candidate, e.g. --set max_train_tokens=200000",
     )
+    p.add_argument(
+        "--bandwidth",
+        action="append",
+        default=[],
+        metavar="LINK=GB/s",
+        help="a measured bandwidth for the planner's offload time beside the measured one, e.g. nvme=1.5 "
+        "(bench/nvme_io.py measures a disk; default: guide 1's table)",
+    )
     p.set_defaults(func=cmd_probe)
 
 
@@ -516,6 +539,7 @@ def cmd_probe(args: Any) -> int:
         overrides=args.set,
         out=args.out,
         timeout_s=args.timeout,
+        bandwidth_gbps=parse_bandwidths(args.bandwidth),
     )
     rec = result.recommendation
     out = Path(args.out)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import dump_yaml
+from common.memory_formulas import link_seconds, offload_traffic
 from common.tools.recipes import describe
 
 # Keys the probe sets on every candidate; the recommended config takes them from the base config instead.
@@ -62,6 +63,7 @@ class ProbeResult:
     interrupted: bool = False
     recommended_config: str | None = None
     script: str = ""  # the candidates' entry script, as a command names it
+    offload_timing: list[dict[str, Any]] = field(default_factory=list)  # planner vs measured, per offload row
 
     def to_json(self) -> dict[str, Any]:
         """``report.json``."""
@@ -104,6 +106,88 @@ def write_config_yaml(config: dict[str, Any], path: Path, header: list[str]) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(f"# {line}\n" for line in header) + dump_yaml(config))
     return path
+
+
+def offload_counterpart(row: ProbeRow, rows: list[ProbeRow]) -> ProbeRow | None:
+    """The measured row an offload row adds its tier to: NVMe over parameter offload to host RAM when that ran
+    (the disk is the only difference), else the same stage without offload; same activation checkpointing."""
+    wanted = ("params", "none") if row.offload == "nvme" else ("none",)
+    for offload in wanted:
+        for other in rows:
+            if (
+                other.ok
+                and other.step_time_s
+                and other.offload == offload
+                and other.zero_stage == row.zero_stage
+                and other.activation_checkpointing == row.activation_checkpointing
+            ):
+                return other
+    return None
+
+
+def offload_timing(
+    rows: list[ProbeRow],
+    num_params: int,
+    world_size: int,
+    ranks_per_node: int,
+    precision: str,
+    bandwidth_gbps: dict[str, tuple[float, float]],
+) -> list[dict[str, Any]]:
+    """Per offload row: the step time it added over its counterpart, beside the planner's time column for it.
+
+    The planner's figure (``zero-recipes estimate``'s ``offload s/step >=``) is the bytes one optimizer step moves
+    over the links the tier adds, divided by their bandwidth (``bandwidth_gbps``: guide 1's ranges, or measured
+    figures given with ``--bandwidth``), the slowest link counted: for NVMe over host-RAM offload only the disk,
+    otherwise every offload link.
+    """
+    timing = []
+    for row in rows:
+        if not row.ok or row.offload == "none" or not row.step_time_s or row.zero_stage is None:
+            continue
+        counterpart = offload_counterpart(row, rows)
+        if counterpart is None:
+            continue
+        traffic = offload_traffic(num_params, row.zero_stage, row.offload, world_size, precision)
+        if counterpart.offload == "params":
+            traffic = {"nvme": traffic["nvme"]}
+        fast = link_seconds(traffic, ranks_per_node, {k: v[1] for k, v in bandwidth_gbps.items()})
+        slow = link_seconds(traffic, ranks_per_node, {k: v[0] for k, v in bandwidth_gbps.items()})
+        link = max(slow, key=slow.get)
+        timing.append(
+            {
+                "candidate": row.candidate,
+                "compared_with": counterpart.candidate,
+                "measured_s": row.step_time_s - counterpart.step_time_s,
+                "planner_s": (fast[link], slow[link]),
+                "link": link,
+                "bandwidth_gbps": bandwidth_gbps[link],
+            }
+        )
+    return timing
+
+
+def format_offload_timing(timing: list[dict[str, Any]]) -> list[str]:
+    """The report's "what offload cost" table; nothing when no offload row has a counterpart."""
+    if not timing:
+        return []
+    lines = [
+        "",
+        "What each offload tier added to a step, measured, beside the planner's time column "
+        "(`zero-recipes estimate`, offload s/step >=: bytes per step over the slowest link the tier adds / its "
+        "bandwidth; pass this machine's figures with `--bandwidth LINK=GB/s`):",
+        "",
+        "| candidate | compared with | measured: s/step added | planner: s/step | link (GB/s) |",
+        "|---|---|---|---|---|",
+    ]
+    for t in timing:
+        low, high = t["planner_s"]
+        planner = f"{low:.3f}" if abs(high - low) < 1e-12 else f"{low:.3f}-{high:.3f}"
+        rate_low, rate_high = t["bandwidth_gbps"]
+        rate = f"{rate_low:g}" if rate_low == rate_high else f"{rate_low:g}-{rate_high:g}"
+        lines.append(
+            f"| {t['candidate']} | {t['compared_with']} | {t['measured_s']:+.3f} | {planner} | {t['link']} ({rate}) |"
+        )
+    return lines
 
 
 # --- reports ------------------------------------------------------------------------------------------
@@ -150,6 +234,7 @@ def format_report_md(result: ProbeResult) -> str:
             f"| {r.candidate} | {r.zero_stage} | {r.offload} | {status.replace('|', '/')} | {peak} | "
             f"{states} | {fmt_rate(r)} | {relative} | {step} |"
         )
+    lines += format_offload_timing(result.offload_timing)
     kind = next((r.memory_kind for r in result.rows if r.memory_kind), None)
     lines += [
         "",

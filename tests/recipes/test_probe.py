@@ -20,7 +20,7 @@ from _util import REPO, subprocess_env
 
 from common.tools import probe
 from common.tools.probe import Candidate, ProbeRow
-from common.tools.probe_report import write_config_yaml
+from common.tools.probe_report import format_offload_timing, write_config_yaml
 from common.tools.recipes import describe, find_recipe
 
 EXE = shutil.which("zero-recipes")
@@ -115,6 +115,36 @@ def test_candidates_are_checked_and_crossed():
     ]  # fmt: skip
     with pytest.raises(probe.ConfigError, match="did you mean 'deepspeed_stage_2'"):
         probe.parse_candidates("deepspeed_stage2", None)
+
+
+def test_offload_timing_sets_the_planners_floor_beside_the_measured_cost():
+    """Each offload row against its counterpart, with the planner's bytes / bandwidth summed here by hand."""
+    rows = [
+        row("deepspeed_stage_3"),
+        row("deepspeed_stage_3_offload"),
+        row("deepspeed_stage_3_offload_nvme"),
+        row("deepspeed_stage_2_offload"),  # no stage-2 row without offload: nothing to compare it with
+        row("deepspeed_stage_3_offload", status="failed: boom"),
+    ]
+    for r, step in zip(rows, (1.0, 1.5, 4.0, 2.0, None)):
+        r.step_time_s = step
+    k = 1_000_000 // 2  # 1M parameters on 2 ranks, bf16 (P = 2)
+    bandwidth = {"pcie": (10.0, 10.0), "dram": (40.0, 40.0), "nvme": (1.0, 2.0), "hbm": (1000.0, 1000.0)}
+    timing = probe.offload_timing(rows, 1_000_000, 2, 2, "bf16", bandwidth)
+    assert [(t["candidate"], t["compared_with"]) for t in timing] == [
+        ("deepspeed_stage_3_offload", "deepspeed_stage_3"),
+        ("deepspeed_stage_3_offload_nvme", "deepspeed_stage_3_offload"),
+    ]
+    cpu, nvme = timing
+    assert cpu["measured_s"] == pytest.approx(0.5) and nvme["measured_s"] == pytest.approx(2.5)
+    # Parameter offload, per rank: PCIe 2k + 2k + 4k = 8k; DRAM (16 + 14 + 4 + 4) k = 38k, x 2 ranks on the node.
+    pcie, dram = 8 * k / 10e9, 2 * 38 * k / 40e9
+    assert cpu["link"] == ("dram" if dram > pcie else "pcie")
+    assert cpu["planner_s"] == pytest.approx((max(pcie, dram),) * 2)
+    # NVMe over host-RAM offload adds the disk only: 4k + 2k + 24k + 8k = 38k per rank, 2 ranks, 1-2 GB/s.
+    assert nvme["link"] == "nvme" and nvme["planner_s"] == pytest.approx((2 * 38 * k / 2e9, 2 * 38 * k / 1e9))
+    text = "\n".join(format_offload_timing(timing))
+    assert "| deepspeed_stage_3_offload_nvme | deepspeed_stage_3_offload | +2.500 | 0.019-0.038 | nvme (1-2) |" in text
 
 
 def test_last_error_line_finds_the_exception():
@@ -259,13 +289,13 @@ def test_a_failing_candidate_becomes_a_failed_row(tmp_path):
 
 
 @pytest.mark.slow
-def test_probe_three_candidates_on_two_cpu_processes(tmp_path):
+def test_probe_four_candidates_on_two_cpu_processes(tmp_path):
     start = time.perf_counter()
     out = zr(
         "probe",
         "nlp",
         "--candidates",
-        "ddp,deepspeed_stage_2,deepspeed_stage_3",
+        "ddp,deepspeed_stage_2,deepspeed_stage_3,deepspeed_stage_3_offload",
         "--steps",
         "4",
         "--devices",
@@ -279,20 +309,28 @@ def test_probe_three_candidates_on_two_cpu_processes(tmp_path):
     for name in ("report.md", "report.json", "probe.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     report = json.loads((tmp_path / "report.json").read_text())
-    assert [r["candidate"] for r in report["rows"]] == ["ddp", "deepspeed_stage_2", "deepspeed_stage_3"]
+    names = ["ddp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
+    assert [r["candidate"] for r in report["rows"]] == names
     for r in report["rows"]:
         assert r["status"] == "ok", r["status"]
         assert r["world_size"] == 2 and r["peak_memory_bytes"] > 0 and r["throughput"] > 0
         assert r["model_state_bytes_per_rank"] > 0 and r["step_time_s"] > 0
-    states = {r["zero_stage"]: r["model_state_bytes_per_rank"] for r in report["rows"]}
+    states = {r["zero_stage"]: r["model_state_bytes_per_rank"] for r in report["rows"] if r["offload"] == "none"}
     assert states[3] < states[2] < states[0]  # real sharding: 16K/N < 2K + 14K/N < 16K (less freed grads)
+    # The offload row's measured cost beside the planner's time column (guide 1's bandwidths by default).
+    (timing,) = report["offload_timing"]
+    steps = {r["candidate"]: r["step_time_s"] for r in report["rows"]}
+    assert (timing["candidate"], timing["compared_with"]) == ("deepspeed_stage_3_offload", "deepspeed_stage_3")
+    assert timing["measured_s"] == pytest.approx(steps["deepspeed_stage_3_offload"] - steps["deepspeed_stage_3"])
+    assert 0 < timing["planner_s"][0] < timing["planner_s"][1] and timing["link"] in ("pcie", "dram")
+    assert "What each offload tier added to a step" in (tmp_path / "report.md").read_text()
     rec = report["recommendation"]
-    assert rec["candidate"] in ("ddp", "deepspeed_stage_2", "deepspeed_stage_3") and rec["reason"]
+    assert rec["candidate"] in names[:3] and rec["reason"]
     # The chosen preset as a config the recipe accepts.
     cfg = describe("nlp", tmp_path / "recommended.yaml").config
     assert (cfg["preset"], cfg["activation_checkpointing"]) == (rec["preset"], rec["activation_checkpointing"])
     assert "Recommended" in (tmp_path / "report.md").read_text()
-    print(f"probe of 3 candidates: {elapsed:.0f} s")
+    print(f"probe of 4 candidates: {elapsed:.0f} s")
 
 
 @pytest.mark.slow

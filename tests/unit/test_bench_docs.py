@@ -34,6 +34,7 @@ RESULTS_BENCH = {
     "activations.json": "activations.py",
     "hang_overhead.json": "hang_overhead.py",
     "nvme_io.json": "nvme_io.py",
+    "offload_time.json": "offload_time.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 
