@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -29,6 +30,25 @@ def build_model(width: int, depth: int) -> torch.nn.Module:
     for _ in range(depth):
         layers += [torch.nn.Linear(width, width, bias=False), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers)
+
+
+def disk_bytes() -> tuple[int, int]:
+    """(read, written) bytes this process moved to and from storage so far: the kernel's block-layer counters,
+    which count DeepSpeed's O_DIRECT swap I/O (its aio threads are this process's) and not the page cache."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def disk_stats(path: str) -> tuple[int, int, int] | None:
+    """(milliseconds the device under ``path`` was busy, sectors read, sectors written) so far, from
+    /proc/diskstats (its io_ticks: time with at least one request in flight, whoever issued it); None when the
+    folder is not on a block device listed there (an overlay or network file system)."""
+    device = os.stat(path).st_dev
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        fields = line.split()
+        if (int(fields[0]), int(fields[1])) == (os.major(device), os.minor(device)):
+            return int(fields[12]), int(fields[5]), int(fields[9])
+    return None
 
 
 def main() -> None:
@@ -56,7 +76,8 @@ def main() -> None:
     optimizer = make_optimizer(model.parameters(), ds_config, lr=1e-4)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     generator = torch.Generator().manual_seed(rank)
-    wall, cpu = [time.perf_counter()], [time.process_time()]
+    device_path = args.nvme_path or os.getcwd()
+    wall, cpu, disk, device = [time.perf_counter()], [time.process_time()], [disk_bytes()], [disk_stats(device_path)]
     for _ in range(args.steps):
         x = torch.randn(MICRO_BATCH, args.width, generator=generator)
         loss = engine(x).square().mean()
@@ -64,8 +85,18 @@ def main() -> None:
         engine.step()
         wall.append(time.perf_counter())
         cpu.append(time.process_time())
+        disk.append(disk_bytes())
+        device.append(disk_stats(device_path))
+    moved = [[b[0] - a[0], b[1] - a[1]] for a, b in zip(disk, disk[1:])]
+    everyone: list = [None] * world
+    torch.distributed.all_gather_object(everyone, moved)
     if rank == 0:
         record = {
+            "disk_bytes_per_step": everyone,  # per rank, per step: [read, written]
+            # the device, per step (both ranks and anything else on it): [busy seconds, bytes read, bytes written]
+            "device_per_step": None
+            if None in device
+            else [[(b[0] - a[0]) / 1e3, (b[1] - a[1]) * 512, (b[2] - a[2]) * 512] for a, b in zip(device, device[1:])],
             "num_params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()),
             "world_size": world,
             "step_s": [b - a for a, b in zip(wall, wall[1:])],

@@ -6,9 +6,9 @@ own; this file proves that the shipped entry points take the preset with nothing
 writes its run directory and checkpoint, reports stage 3 with NVMe offload, and really swapped to the folder it was
 given (each rank's optimizer states are files there of at least DeepSpeed's 1 MiB swap minimum). One backend per
 recipe (both backends are covered by the equivalence test): the NLP recipe through Lightning, the science recipe
-through Accelerate. The science model is widened (64 channels, 16 modes) so that a rank's optimizer partition
-passes the swap minimum; its complex spectral weights are partitioned by stage 3 here, not by the ZeRO-2 of its
-own preset.
+through Accelerate. The science model is widened (64 channels, 32 modes, 4 layers: about 1M parameters) so that
+a rank's optimizer partition passes the swap minimum; its complex spectral weights are partitioned by stage 3
+here, not by the ZeRO-2 of its own preset.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ SCIENCE_TINY = [
     "n_test=8",
     "grid_size=64",
     "solve_grid=256",
-    "modes=16",
+    "modes=32",
     "width=64",
-    "n_layers=2",
+    "n_layers=4",
     "proj_width=32",
     "micro_batch_size=4",
     "data_workers=1",
