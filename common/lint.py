@@ -886,6 +886,27 @@ def rule_nvme_small_partitions(view: LintView) -> list[Finding]:
     ]
 
 
+def rule_nvme_small_sub_groups(view: LintView) -> list[Finding]:
+    """DeepSpeed swaps the optimizer's states one sub-group at a time, and only a sub-group whose fp32 states
+    reach max(1 MiB, aio.block_size): ``sub_group_size`` below that keeps every state in host RAM, silently."""
+    if view.offload_device("offload_optimizer") != "nvme" or view.stage != 3:
+        return []
+    sub_group = _number(view.zero.get("sub_group_size", 1_000_000_000))
+    threshold = _swap_threshold_bytes(view)
+    if sub_group is None or sub_group * 4 >= threshold:
+        return []
+    return [
+        Finding(
+            "nvme-small-sub-groups",
+            "warning",
+            f"offload_optimizer.device is nvme but sub_group_size {int(sub_group):,} holds "
+            f"{sub_group * 4 / 2**20:.2f} MiB of fp32 states, under DeepSpeed's swap minimum of "
+            f"{threshold / 2**20:g} MiB: the optimizer states silently stay in host RAM",
+            f"set zero_optimization.sub_group_size >= {-(-threshold // 4):,} (the factory does for its presets)",
+        )
+    ]
+
+
 def rule_nvme_param_buffer(view: LintView) -> list[Finding]:
     """``offload_param.buffer_size`` must hold the largest parameter partition (DeepSpeed asserts otherwise)."""
     if view.offload_device("offload_param") != "nvme" or view.model is None or not view.model.param_numels:
@@ -1097,6 +1118,7 @@ RULES: dict[str, Rule] = {
     "aio-keys": rule_aio_keys,
     "zeropp-quantized-needs-gpu": rule_zeropp_quantized_needs_gpu,
     "hpz-partition": rule_hpz_partition,
+    "nvme-small-sub-groups": rule_nvme_small_sub_groups,
     "zenflow": rule_zenflow,
     "bf16-optimizer-states": rule_bf16_optimizer_states,
 }

@@ -204,7 +204,7 @@ def _set_dotted(config: dict[str, Any], dotted_key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _fill_from_model(zero: dict[str, Any], hidden_size: int | None) -> None:
+def _fill_from_model(zero: dict[str, Any], hidden_size: int | None, swap_min_bytes: int = MIN_SWAPPED_BYTES) -> None:
     bucket = bucket_elements(hidden_size)
     derived = {
         "stage3_param_persistence_threshold": persistence_threshold(hidden_size),
@@ -216,7 +216,11 @@ def _fill_from_model(zero: dict[str, Any], hidden_size: int | None) -> None:
             zero[key] = value
     if zero.get("sub_group_size") == FROM_MODEL:
         # One bucket's worth: the optimizer swaps sub-groups in and out whole (NVMe), so this bounds its buffers.
-        zero["sub_group_size"] = bucket
+        # But never under DeepSpeed's swap minimum (max(1 MiB, aio.block_size) of fp32 states): a smaller
+        # sub-group is silently kept in host RAM, and a small model's optimizer states never reached the disk
+        # (the science recipe's 64-wide FNO, tests/recipes/test_nvme_recipes.py).
+        swapped = (zero.get("offload_optimizer") or {}).get("device") == "nvme"
+        zero["sub_group_size"] = max(bucket, -(-swap_min_bytes // 4)) if swapped else bucket
     offload_param = zero.get("offload_param")
     if isinstance(offload_param, dict) and offload_param.get("buffer_size") == FROM_MODEL:
         # A buffer holds one parameter partition: the bucket covers a transformer's matrices (32 h^2), capped
@@ -429,7 +433,9 @@ def resolve_deepspeed_config(
     for key, value in (overrides or {}).items():
         _set_dotted(config, key, value)
     zero = config["zero_optimization"]
-    _fill_from_model(zero, facts.hidden_size)
+    block_size = (config.get("aio") or {}).get("block_size")
+    swap_min = max(MIN_SWAPPED_BYTES, block_size if isinstance(block_size, int) else 0)
+    _fill_from_model(zero, facts.hidden_size, swap_min)
     _fill_from_layout(zero, facts)
     if "aio" in config:
         _check_aio(config["aio"])

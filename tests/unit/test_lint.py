@@ -82,6 +82,12 @@ FAILING_FILES = {
     "nccl-version": ("json", ds(2), {"versions": {**CURRENT, "nccl": "2.8.4"}}),
     "nvme-offload-stage-1-2": ("json", ds(2, offload_optimizer={"device": "nvme", "nvme_path": "/nvme"}), {}),
     "aio-keys": ("json", {**ds(3), "aio": {"block_size": 2**20, "thread_count": 2}}, {}),
+    # 131072 fp32 elements = 512 KiB per sub-group: under the 1 MiB DeepSpeed swaps.
+    "nvme-small-sub-groups": (
+        "json",
+        ds(3, offload_optimizer={"device": "nvme", "nvme_path": "/nvme"}, sub_group_size=131_072),
+        {},
+    ),
     # 16 / (4 x 2) = 2 ranks, which groups of 3 cannot divide.
     "hpz-partition": ("json", ds(3, zero_hpz_partition_size=3), {}),
     "zenflow": ("json", ds(2, zenflow={"topk_ratio": 0.05}), {}),  # ZenFlow without ZeRO-Offload
@@ -340,6 +346,19 @@ def test_nvme_partitions_just_at_the_swap_threshold_are_swapped():
     assert lint.rule_nvme_small_partitions(view) == []
     view.ds_config = {**view.ds_config, "aio": {"block_size": 2**21}}
     assert [f.rule_id for f in lint.rule_nvme_small_partitions(view)] == ["nvme-small-partitions"]
+
+
+def test_nvme_sub_groups_just_at_the_swap_threshold_are_swapped():
+    """262144 fp32 elements are 1 MiB exactly: swapped; one fewer is not; a larger aio.block_size raises the bar."""
+    optimizer = {"device": "nvme", "nvme_path": "/nvme"}
+    view = LintView(ds_config=ds(3, offload_optimizer=optimizer, sub_group_size=262_144))
+    assert lint.rule_nvme_small_sub_groups(view) == []
+    view = LintView(ds_config=ds(3, offload_optimizer=optimizer, sub_group_size=262_143))
+    assert [f.severity for f in lint.rule_nvme_small_sub_groups(view)] == ["warning"]
+    view = LintView(
+        ds_config={**ds(3, offload_optimizer=optimizer, sub_group_size=262_144), "aio": {"block_size": 2**21}}
+    )
+    assert [f.rule_id for f in lint.rule_nvme_small_sub_groups(view)] == ["nvme-small-sub-groups"]
 
 
 def test_nvme_param_buffer_holds_the_largest_partition_exactly():

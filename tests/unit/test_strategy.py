@@ -6,6 +6,7 @@ regenerate them with ``python tests/golden/regenerate.py`` and review ``git diff
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -210,6 +211,19 @@ def test_nvme_preset_resolves_with_its_aio_section(tmp_path):
     assert zero["offload_param"]["buffer_size"] >= zero["stage3_prefetch_bucket_size"]
     assert set(ds["aio"]) <= set(strategy.AIO_KEYS) and ds["aio"]["block_size"] == 2**20
     assert list(tmp_path.iterdir()) == []  # resolving wrote nothing
+
+
+@pytest.mark.parametrize("hidden_size", [64, 256, 4096])
+def test_nvme_sub_groups_reach_deepspeeds_swap_minimum(tmp_path, hidden_size):
+    """A sub-group under max(1 MiB, aio.block_size) of fp32 states is never swapped: small models too reach it."""
+    facts = dataclasses.replace(nvme_facts(tmp_path), hidden_size=hidden_size)
+    ds = resolve_deepspeed_config(NVME, facts)
+    assert ds["zero_optimization"]["sub_group_size"] * 4 >= max(2**20, ds["aio"]["block_size"])
+    assert ds["zero_optimization"]["sub_group_size"] >= strategy.bucket_elements(hidden_size)
+    bigger = resolve_deepspeed_config(NVME, facts, {"aio.block_size": 2**22})
+    assert bigger["zero_optimization"]["sub_group_size"] * 4 >= 2**22
+    plain = resolve_deepspeed_config("deepspeed_stage_3", facts)  # no NVMe: the bucket, as before
+    assert plain["zero_optimization"].get("sub_group_size") in (None, strategy.bucket_elements(hidden_size))
 
 
 @pytest.mark.parametrize(
