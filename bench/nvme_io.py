@@ -2,6 +2,7 @@
 
     python bench/nvme_io.py                                   # a temporary folder under the current directory
     python bench/nvme_io.py --path /local_nvme --size 1GiB    # the folder your nvme_path will point at
+    python bench/nvme_io.py --processes 8                     # the node figure with 8 ranks swapping at once
     python bench/nvme_io.py --render                          # docs/benchmarks.md from the results file only
 
 The first run builds DeepSpeed's async I/O op (libaio; 3-4 minutes, cached in ~/.cache/torch_extensions).
@@ -16,6 +17,11 @@ sets them. Each repetition is DeepSpeed's own timing of one whole file (``task_l
 ``zero-recipes estimate --bandwidth``). DeepSpeed's sweep driver (``ds_nvme_tune``, perf_run_sweep.py) is not used:
 its 32-setting grid of 400 MB files takes far longer than the small grid here, and it only flushes the page cache
 with sudo, which O_DIRECT makes unnecessary.
+
+The ranks of a node share its disk, and the planner's NVMe link is the node's: its ranks' bytes add up over the
+node's bandwidth. So the preset's setting is also measured with ``--processes`` I/O processes at once (``ds_io
+--multi_process``, each process its own file; default 2, the ranks of the tests here), and that figure is the one to
+give ``zero-recipes estimate --bandwidth nvme=``.
 
 Page cache: the aio op opens every file with O_DIRECT (``open_file`` in
 deepspeed/ops/csrc/aio/common/deepspeed_aio_common.cpp), so its reads and writes bypass the kernel's page cache: a
@@ -134,9 +140,13 @@ def check_folder(path: Path, needed_bytes: int) -> dict[str, str]:
     return mount_of(str(path.resolve()), mounts)
 
 
-def ds_io_command(folder: Path, size: int, block_size: int, queue_depth: int, reps: int, aio: dict, read: bool):
-    """The ``ds_io`` command line (as this interpreter's module) for one setting and direction."""
+def ds_io_command(
+    folder: Path, size: int, block_size: int, queue_depth: int, reps: int, aio: dict, read: bool, processes: int = 1
+):
+    """The ``ds_io`` command line (as this interpreter's module) for one setting and direction; ``processes`` > 1
+    runs that many I/O processes at once, each on its own file, as the ranks of a node swap at once."""
     cmd = [sys.executable, "-m", "deepspeed.nvme.test_ds_aio", "--folder", str(folder), "--io_size", str(size)]
+    cmd += ["--multi_process", str(processes)] if processes > 1 else []
     cmd += ["--block_size", str(block_size), "--queue_depth", str(queue_depth), "--engine", "aio_handle"]
     cmd += ["--loops", str(reps), "--warmup_loops", str(WARMUP_LOOPS), "--different_file_each_iteration"]
     cmd += ["--io_parallel", str(aio["intra_op_parallelism"])]
@@ -167,7 +177,7 @@ def run_ds_io(cmd: list[str], reps: int) -> list[float]:
     return seconds
 
 
-def prepare_read_files(folder: Path, size: int, loops: int) -> None:
+def prepare_read_files(folder: Path, size: int, loops: int, processes: int = 1) -> None:
     """Write the files ds_io reads, under its own names, and flush them to the device before any timed read.
 
     ds_io would create them itself (dd from /dev/urandom) just before the first read setting, whose reads would
@@ -175,14 +185,17 @@ def prepare_read_files(folder: Path, size: int, loops: int) -> None:
     """
     from deepspeed.nvme.test_ds_aio_utils import create_file, create_filename
 
-    for loop in range(loops):
-        name = create_filename(str(folder), True, size, f"0_{loop}")  # process 0 of one, loop ``loop``
-        create_file(name, size)
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    for process in range(processes):
+        for loop in range(loops):
+            name = create_filename(str(folder), True, size, f"{process}_{loop}")  # ds_io's name for it
+            if os.path.exists(name):
+                continue
+            create_file(name, size)
+            fd = os.open(name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def measure(folder: Path, size: int, block_sizes: list[int], depths: list[int], reps: int, aio: dict) -> list[dict]:
@@ -202,6 +215,27 @@ def measure(folder: Path, size: int, block_sizes: list[int], depths: list[int], 
                 flush=True,
             )
     return runs
+
+
+def measure_node(folder: Path, size: int, reps: int, aio: dict, processes: int) -> dict:
+    """The preset's setting with ``processes`` I/O processes at once: the bandwidth a node's ranks share.
+
+    ds_io starts every loop of every process together (a barrier) and logs process 0's seconds per loop; the
+    node's GB/s of a loop is ``processes`` files over that time.
+    """
+    prepare_read_files(folder, size, reps + WARMUP_LOOPS, processes)
+    row = {"processes": processes, "block_size": aio["block_size"], "queue_depth": aio["queue_depth"]}
+    for direction in ("write", "read"):
+        cmd = ds_io_command(
+            folder, size, aio["block_size"], aio["queue_depth"], reps, aio, direction == "read", processes
+        )
+        row[f"{direction}_gbps"] = gbps(processes * size, run_ds_io(cmd, reps))
+    print(
+        f"{processes} processes at once, the preset's setting: write {cell(row['write_gbps'])} GB/s, "
+        f"read {cell(row['read_gbps'])} GB/s (the node's)",
+        flush=True,
+    )
+    return row
 
 
 # --- summarising and rendering (pure: results in, Markdown out) ---------------------------------------------
@@ -252,6 +286,20 @@ def render_nvme_io(results: dict) -> str:
         "",
     ]
     fixed = ", ".join(f"`{k}: {settings['aio'][k]}`" for k in FIXED_AIO_KEYS)
+    node = results.get("node")
+    node_lines = (
+        [
+            "",
+            f"**{node['processes']} processes at once** (the preset's setting, block "
+            f"{human_bytes(node['block_size'])}, queue depth {node['queue_depth']}; each its own file, as the ranks of "
+            f"a node swap at once): **write {cell(node['write_gbps'])}, read {cell(node['read_gbps'])} GB/s for the "
+            "node**. The planner's NVMe link is the node's (its ranks' bytes add up), so this is the figure to give "
+            f"it: `--bandwidth nvme={(median(node['write_gbps']) + median(node['read_gbps'])) / 2:.2f}` (the mean of "
+            "the two; bench/offload_time.py checks it against the disk's busy time).",
+        ]
+        if node
+        else []
+    )
     return "\n".join(
         [
             *(warning if in_ram else []),
@@ -260,6 +308,7 @@ def render_nvme_io(results: dict) -> str:
             "(medians; the setting that writes then reads the file the soonest, in bold below).",
             "",
             *lines,
+            *node_lines,
             "",
             f"Use it: `zero-recipes estimate --params 7e9 --gpus 8 --bandwidth nvme={best['read_gbps']:.2f}` (this "
             f"disk's read figure in place of guide 1's 2-4 GB/s; `--params` or `--recipe` as for any plan), and `aio` "
@@ -301,6 +350,13 @@ def main() -> None:
     parser.add_argument("--block-sizes", default="256KiB,1MiB,4MiB", help="aio block_size values to try")
     parser.add_argument("--queue-depths", default="4,8,32", help="aio queue_depth values to try")
     parser.add_argument("--reps", type=int, default=3, help="timed files per setting and direction")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=2,
+        help="also measure the preset's setting with this many processes at once: the ranks of one node (default 2; "
+        "1: skip)",
+    )
     parser.add_argument("--render", action="store_true", help="re-render docs/benchmarks.md from the results file only")
     args = parser.parse_args()
     if args.render:
@@ -310,15 +366,18 @@ def main() -> None:
     block_sizes, depths = parse_sizes(args.block_sizes), parse_depths(args.queue_depths)
     if args.reps < 1:
         raise ConfigError(f"--reps must be at least 1, got {args.reps}")
+    if args.processes < 1:
+        raise ConfigError(f"--processes must be at least 1, got {args.processes}")
     uneven = [b for b in block_sizes if size < b or size % b]
     if uneven:
         raise ConfigError(f"--size {args.size} must be a whole multiple of every block size ({human_bytes(uneven[0])})")
     base = Path(args.path) if args.path else Path.cwd()
     # Each direction keeps one file per loop: the write files and the read files side by side.
-    storage = check_folder(base, 2 * (args.reps + WARMUP_LOOPS) * size)
+    storage = check_folder(base, 2 * (args.reps + WARMUP_LOOPS) * size * args.processes)
     aio = get_preset(PRESET)["aio"]
     with tempfile.TemporaryDirectory(dir=base, prefix="zr-nvme-io-") as folder:
         runs = measure(Path(folder), size, block_sizes, depths, args.reps, aio)
+        node = measure_node(Path(folder), size, args.reps, aio, args.processes) if args.processes > 1 else None
     results = {
         "settings": {
             "path": args.path or "a temporary folder under the current directory",
@@ -332,6 +391,7 @@ def main() -> None:
         "storage": {**storage, "o_direct": True},
         "runs": runs,
         "best": best_setting(runs),
+        "node": node,
     }
     document = write_results(RESULTS, results)
     write_docs(document)

@@ -62,6 +62,32 @@ def test_best_setting_minimises_write_plus_read_time():
     assert "| **4 MiB** | **32** | 2.00 (2.00-2.00) | 2.00 (2.00-2.00) |" in text
     assert "| 1 MiB | 8 | 1.00 (0.90-1.10) | 10.00 (10.00-10.00) |" in text
     assert "--bandwidth nvme=2.00" in text and "block_size: 4194304" in text
+    assert "processes at once" not in text  # no node measurement in this document
+
+
+def test_node_figure_is_every_process_file_over_the_shared_time(tmp_path):
+    """2 processes, 1 GB each, 0.5 s a loop: 4 GB/s for the node; the command asks ds_io for 2 processes."""
+    assert nvme_io.gbps(2 * 10**9, [0.5]) == pytest.approx([4.0])
+    aio = {"single_submit": False, "overlap_events": True, "intra_op_parallelism": 1}
+    cmd = nvme_io.ds_io_command(tmp_path, 2**20, 2**20, 8, 3, aio, read=True, processes=2)
+    assert cmd[cmd.index("--multi_process") + 1] == "2" and cmd[-1] == "--read"
+    assert "--multi_process" not in nvme_io.ds_io_command(tmp_path, 2**20, 2**20, 8, 3, aio, read=True)
+    node = {"processes": 2, "block_size": 2**20, "queue_depth": 8, "write_gbps": [1.8], "read_gbps": [2.2]}
+    text = nvme_io.render_nvme_io(
+        {
+            "settings": {
+                "size_bytes": 2**28,
+                "reps": 1,
+                "warmup_loops": 1,
+                "aio": aio,
+                "preset_aio": {"block_size": 2**20, "queue_depth": 8},
+            },
+            "storage": {"filesystem": "ext4", "device": "/dev/vda"},
+            "runs": [{"block_size": 2**20, "queue_depth": 8, "write_gbps": [1.5], "read_gbps": [1.5]}],
+            "node": node,
+        }
+    )
+    assert "**2 processes at once**" in text and "`--bandwidth nvme=2.00`" in text
 
 
 def test_mount_of_takes_the_longest_mount_point():
