@@ -11,12 +11,12 @@ each meta tensor tells where its bytes lie in the file. Each output tensor is th
 exactly its slices, cast, and dropped once its shard is written: the peak is about one output shard plus the
 largest tensor (``bench/export_memory.py`` measures it against ``zero_to_fp32``).
 
-Accepted inputs: a run directory (``checkpoints/latest`` names the step), a step directory (DeepSpeed's
-``latest`` file names the tag folder: ``checkpoint/`` from Lightning, ``pytorch_model/`` from Accelerate's
-``save_state``), or the tag folder itself. When the run's model is a transformers model (the run directory's
-``final/`` holds a ``config.json``) the output is a Hugging Face folder: config, tokenizer and weights under the
-model's own parameter names, with tied weights left to the config (``tie_word_embeddings``) as
-``save_pretrained`` does.
+Accepted inputs: a run directory (``checkpoints/latest`` names the step), its ``checkpoints/`` folder (the same
+pointer), a step directory (DeepSpeed's ``latest`` file names the tag folder: ``checkpoint/`` from Lightning,
+``pytorch_model/`` from Accelerate's ``save_state``), or the tag folder itself. When the run's model is a
+transformers model (the run directory's ``final/`` holds a ``config.json``) the output is a Hugging Face folder:
+config, tokenizer and weights under the model's own parameter names, with tied weights left to the config
+(``tie_word_embeddings``) as ``save_pretrained`` does.
 
 Pickles are loaded with ``weights_only=True`` and an allow-list of the four DeepSpeed classes a checkpoint
 holds; anything else is refused, not executed.
@@ -209,9 +209,13 @@ def locate(path: str | Path) -> tuple[Path, Path | None]:
     run_dir = None
     if (path / "checkpoints" / "latest").is_file():
         run_dir, path = path, latest_checkpoint(path)
-    if (path / "latest").is_file() and not list(path.glob("*_model_states.pt")):
+    # Follow ``latest`` pointers down to the tag folder: checkpoints/latest names the step, the step's own latest
+    # (DeepSpeed's) names the tag. Two levels at most, so a pointer loop is an error, not a hang.
+    for _ in range(2):
+        if list(path.glob("*_model_states.pt")) or not (path / "latest").is_file():
+            break
         tag = (path / "latest").read_text().strip()
-        if not (path / tag).is_dir():
+        if not tag or not (path / tag).is_dir():
             raise ConfigError(f"{path / 'latest'} names {tag!r}, but {path / tag} is not a folder")
         path = path / tag
     if not list(path.glob("*_model_states.pt")):

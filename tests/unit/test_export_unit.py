@@ -136,6 +136,25 @@ def test_out_dir_refusal_and_not_a_checkpoint(tmp_path):
         locate(tmp_path / "absent")
 
 
+def test_locate_follows_the_pointers_from_every_folder_a_user_points_at(tmp_path):
+    """The run, its checkpoints/, one step_* folder and the tag folder all find the same tag folder (issue 19)."""
+    run = tmp_path / "run"
+    tag = run / "checkpoints" / "step_000004" / "checkpoint"
+    tag.mkdir(parents=True)
+    (run / "config.yaml").write_text("preset: nlp\n")
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (run / "checkpoints" / "latest").write_text("step_000004")
+    (tag.parent / "latest").write_text("checkpoint")
+    for start in (run, run / "checkpoints", tag.parent, tag):
+        assert locate(start) == (tag, run), start
+    (tag.parent / "latest").write_text("gone")
+    with pytest.raises(ConfigError, match="names 'gone'"):
+        locate(run / "checkpoints")
+    (tag.parent / "latest").write_text(".")  # a pointer to itself: an error, not a loop
+    with pytest.raises(ConfigError, match="not a DeepSpeed ZeRO checkpoint"):
+        locate(tag.parent)
+
+
 def test_a_pickled_class_outside_the_allow_list_is_refused_by_name(tmp_path):
     from fractions import Fraction
 
