@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -40,6 +39,7 @@ from _bench_util import (  # noqa: E402
 
 from common.errors import ConfigError, exit_on_user_error, nearest  # noqa: E402
 from common.presets import PRESET_NAMES, get_preset  # noqa: E402
+from common.tools.probe import last_error_line  # noqa: E402  (the probe's: skips the launcher's summary lines)
 
 REFERENCE = "deepspeed_stage_1"
 LADDER = ("ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload")
@@ -81,14 +81,6 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict]:
                 runs[preset].append(run)
                 print(f"rep {rep} {preset:>32}: median step {run['median_step_s'] * 1e3:8.1f} ms", flush=True)
     return summarize(runs, errors)
-
-
-def last_error_line(text: str) -> str:
-    """The exception a failed worker raised (``FooError: ...``), not torchrun's closing lines about tracebacks."""
-    lines = [line.strip() for line in text.splitlines()]
-    raised = [line for line in lines if re.match(r"^(\[rank\d+\]: *)?[\w.]+(Error|Exception)\b.*:", line)]
-    mentions = [line for line in lines if "rror" in line and "elastic/errors" not in line]
-    return ((raised or mentions or lines)[-1])[:200]
 
 
 def summarize(runs: dict[str, list[dict]], errors: dict[str, str]) -> dict[str, dict]:
