@@ -668,6 +668,16 @@ def link_seconds(
     return seconds
 
 
+def link_seconds_range(
+    traffic: dict[str, dict[str, float]], ranks_per_node: int, bandwidth_gbps: dict[str, tuple[float, float]]
+) -> tuple[dict[str, tuple[float, float]], str]:
+    """Each link's seconds at the high and at the low end of its bandwidth range, and the slowest link (the step's
+    floor when every transfer overlaps compute and the others): the planner's time column."""
+    fast = link_seconds(traffic, ranks_per_node, {k: v[1] for k, v in bandwidth_gbps.items()})
+    slow = link_seconds(traffic, ranks_per_node, {k: v[0] for k, v in bandwidth_gbps.items()})
+    return {link: (fast[link], slow[link]) for link in traffic}, max(slow, key=slow.__getitem__)
+
+
 def parse_bandwidths(items: list[str] | None) -> dict[str, tuple[float, float]]:
     """Guide 1's bandwidth table, with ``link=GB/s`` items (``nvme=3.2``) replacing a link's range by one figure."""
     table = dict(GUIDE_BANDWIDTH_GBPS)

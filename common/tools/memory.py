@@ -63,7 +63,7 @@ from common.memory_formulas import (
     fmt_gb,
     guide_model_states,
     host_memory,
-    link_seconds,
+    link_seconds_range,
     local_device_memory,
     lora_params,
     offload_traffic,
@@ -221,13 +221,11 @@ def _offload_time(facts: ModelFacts, stage: int, offload: str, inputs: PlanInput
     traffic = offload_traffic(trainable, stage, offload, inputs.world_size, inputs.precision)
     if not traffic:
         return {}
-    fast = link_seconds(traffic, inputs.gpus_per_node, {k: v[1] for k, v in inputs.bandwidth_gbps.items()})
-    slow = link_seconds(traffic, inputs.gpus_per_node, {k: v[0] for k, v in inputs.bandwidth_gbps.items()})
-    slowest = max(slow, key=slow.__getitem__)
+    seconds, slowest = link_seconds_range(traffic, inputs.gpus_per_node, inputs.bandwidth_gbps)
     return {
         "bytes_moved_per_step": traffic,
-        "link_seconds": {link: (fast[link], slow[link]) for link in traffic},
-        "offload_seconds": (fast[slowest], slow[slowest]),
+        "link_seconds": seconds,
+        "offload_seconds": seconds[slowest],
         "slowest_link": slowest,
     }
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import dump_yaml
-from common.memory_formulas import link_seconds, offload_traffic
+from common.memory_formulas import link_seconds_range, offload_traffic
 from common.tools.recipes import describe
 
 # Keys the probe sets on every candidate; the recommended config takes them from the base config instead.
@@ -150,15 +150,13 @@ def offload_timing(
         traffic = offload_traffic(num_params, row.zero_stage, row.offload, world_size, precision)
         if counterpart.offload == "params":
             traffic = {"nvme": traffic["nvme"]}
-        fast = link_seconds(traffic, ranks_per_node, {k: v[1] for k, v in bandwidth_gbps.items()})
-        slow = link_seconds(traffic, ranks_per_node, {k: v[0] for k, v in bandwidth_gbps.items()})
-        link = max(slow, key=slow.get)
+        seconds, link = link_seconds_range(traffic, ranks_per_node, bandwidth_gbps)
         timing.append(
             {
                 "candidate": row.candidate,
                 "compared_with": counterpart.candidate,
                 "measured_s": row.step_time_s - counterpart.step_time_s,
-                "planner_s": (fast[link], slow[link]),
+                "planner_s": seconds[link],
                 "link": link,
                 "bandwidth_gbps": bandwidth_gbps[link],
             }
