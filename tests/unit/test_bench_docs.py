@@ -168,3 +168,20 @@ def test_every_marked_docs_section_is_rendered_by_a_bench():
     if orphans and pending:
         pytest.skip(f"sections {orphans} may come from {sorted(set(filter(None, pending)))}, not rendered yet")
     assert not orphans, f"docs sections {orphans} are marked as rendered but no bench renders them"
+
+
+def test_hang_overhead_prices_the_watchdog_per_step_from_its_own_cpu_time():
+    """Each rank's watchdog: CPU per wake-up x wake-ups in one step (one a second), both ranks summed; off is 0."""
+    bench = load_bench("hang_overhead.py")
+    ranks = [{"hang_watchdog": {"cpu_s": 0.010, "polls": 10.0}}, {"hang_watchdog": {"cpu_s": 0.004, "polls": 4.0}}]
+    # 1 ms per wake-up on each rank; a 500 ms step holds half a wake-up: 0.5 ms per rank, 1.0 ms for both.
+    assert bench.watchdog_cpu_per_step_ms(ranks, step_wall_ms=500.0) == pytest.approx(1.0)
+    assert bench.watchdog_cpu_per_step_ms([{"hang_watchdog": None}] * 2, step_wall_ms=500.0) == 0.0
+    results = json.loads((RESULTS_DIR / "hang_overhead.json").read_text())["results"]
+    shares = [
+        s
+        for by_backend in results["runs"].values()
+        for cell in by_backend.values()
+        for s in bench.watchdog_shares(cell)
+    ]
+    assert shares and all(0 < share < 0.02 for share in shares)  # the published direct figure: under the 2 % goal
