@@ -63,6 +63,7 @@ DONE_WAIT_S = 30.0  # how long the other ranks wait for the first rank's diagnos
 EXIT_GRACE_S = 20.0  # after its report a process exits on its own within this, or its watchdog ends it
 HANG_EXIT_CODE = 3
 COLLECTIVES_KEPT = 32  # per process group, in each report
+SAME_EVENT_NS = 2 * 10**9  # disagreements created this close together are one event seen from two ranks
 STORE_PREFIX = "zr_hang/"
 ABORT_KEY = STORE_PREFIX + "abort"
 DONE_KEY = STORE_PREFIX + "done"
@@ -561,7 +562,12 @@ def _first_disagreement(
                 break
     if not candidates:
         return None
-    _, group, seq, records = min(candidates, key=lambda c: c[0])
+    # The earliest disagreement names the cause. When two come within a moment of each other they are one event
+    # seen from two sides: a rank skipped a collective on the default group and went on into another group's,
+    # where the others never follow. Which of the two was created first is then a race between the ranks, so
+    # the default group's (where the training's own collectives are) is named, whatever the race.
+    earliest = min(c[0] for c in candidates)
+    _, group, seq, records = min(candidates, key=lambda c: (c[0] - earliest > SAME_EVENT_NS, c[1] != "0", c[0]))
     return group, seq, records
 
 

@@ -159,6 +159,21 @@ def test_a_rank_that_skipped_a_collective_is_behind_at_that_collective():
     assert "rank(s) 1 fell behind" in format_diagnosis(diagnosis)
 
 
+@pytest.mark.parametrize("rank1_first_ns", [-5_000_000, 5_000_000])  # rank 1 won or lost the race by 5 ms
+def test_a_skip_into_another_group_names_the_skipped_collective_whoever_won_the_race(rank1_first_ns):
+    """Rank 1 skipped all_reduce #6 on the default group and went on into group 1's #3, where rank 0 never follows:
+    two disagreements a moment apart. Which was created first is a race between the ranks (seen in CI): the
+    diagnosis names the skipped one either way. One created much later is a consequence and is not named."""
+    common = [record(s) for s in range(1, 6)] + [record(s, group="1") for s in (1, 2)]
+    skipped = record(6)
+    onward = {**record(3, group="1"), "time_created_ns": skipped["time_created_ns"] + rank1_first_ns}
+    diagnosis = analyze({0: report(0, [*common, skipped]), 1: report(1, [*common, onward])})
+    assert (diagnosis.group, diagnosis.seq, diagnosis.behind) == ("0", 6, [1])
+    later = {**onward, "time_created_ns": skipped["time_created_ns"] - 10**10}  # group 1's came 10 s earlier
+    diagnosis = analyze({0: report(0, [*common, skipped]), 1: report(1, [*common, later])})
+    assert (diagnosis.group, diagnosis.seq) == ("1", 3)
+
+
 def test_a_shape_mismatch_names_both_shapes_and_nobody_behind():
     common = [record(s) for s in range(1, 6)]
     reports = {0: report(0, [*common, record(6)]), 1: report(1, [*common, record(6, shape=(2,))])}
