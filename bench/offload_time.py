@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -115,12 +114,10 @@ def disk_gbps(ranks: int) -> dict:
 def run_variant(variant: str, width: int, depth: int, steps: int, tmp: Path) -> dict:
     out = tmp / f"{variant}.json"
     args = ["--preset", VARIANTS[variant], "--width", str(width), "--depth", str(depth), "--steps", str(steps)]
-    if variant == "nvme":
-        swap = Path(tempfile.mkdtemp(prefix="zr-offload-time-", dir=Path.cwd()))  # the disk nvme_io.py measured
-        args += ["--nvme-path", str(swap)]
-    launch_group(HERE / "_offload_worker.py", "raw", VARIANTS[variant], [*args, "--out", str(out)], timeout=1200)
-    if variant == "nvme":
-        shutil.rmtree(swap, ignore_errors=True)
+    # The swap folder on the disk nvme_io.py measured (under the current directory), removed even when a run fails.
+    with tempfile.TemporaryDirectory(prefix="zr-offload-time-", dir=Path.cwd()) as swap:
+        args += ["--nvme-path", swap] if variant == "nvme" else []
+        launch_group(HERE / "_offload_worker.py", "raw", VARIANTS[variant], [*args, "--out", str(out)], timeout=1200)
     return json.loads(out.read_text())
 
 

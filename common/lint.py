@@ -29,12 +29,12 @@ from typing import Any, TextIO
 
 from common.errors import ConfigError
 from common.memory_formulas import (
-    MIN_SWAPPED_BYTES,
     USABLE_FRACTION,
     WORKING_BYTES,
     ModelFacts,
     guide_model_states,
     local_device_memory,
+    swap_threshold_bytes,
     transformer_activations,
 )
 from common.strategy import AIO_KEYS, AIO_OLD_NAMES
@@ -859,8 +859,7 @@ def rule_nvme_offload_stage_1_2(view: LintView) -> list[Finding]:
 
 def _swap_threshold_bytes(view: LintView) -> int:
     aio = (view.ds_config or {}).get("aio")
-    block = _number(aio.get("block_size")) if isinstance(aio, dict) else None
-    return int(max(MIN_SWAPPED_BYTES, block or 0))
+    return swap_threshold_bytes(_number(aio.get("block_size")) if isinstance(aio, dict) else None)
 
 
 def rule_nvme_small_partitions(view: LintView) -> list[Finding]:

@@ -578,6 +578,12 @@ def host_memory() -> float:
 # aio.block_size when larger): smaller partitions stay in host RAM.
 MIN_SWAPPED_BYTES = 2**20
 
+
+def swap_threshold_bytes(block_size: float | None) -> int:
+    """The fewest bytes DeepSpeed swaps to NVMe: max(1 MiB, ``aio.block_size``); smaller tensors stay in RAM."""
+    return int(max(MIN_SWAPPED_BYTES, block_size or 0))
+
+
 # Guide 1 (3.2): bandwidth of each tier in GB/s (1e9 bytes/s), as (low, high) of the guide's range.
 GUIDE_BANDWIDTH_GBPS: dict[str, tuple[float, float]] = {
     "hbm": (1000.0, 2000.0),

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, nearest
-from common.memory_formulas import MIN_SWAPPED_BYTES, nvme_swapped_bytes_per_rank
+from common.memory_formulas import MIN_SWAPPED_BYTES, nvme_swapped_bytes_per_rank, swap_threshold_bytes
 from common.presets import FROM_LAYOUT, FROM_MODEL, get_preset
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -434,8 +434,7 @@ def resolve_deepspeed_config(
         _set_dotted(config, key, value)
     zero = config["zero_optimization"]
     block_size = (config.get("aio") or {}).get("block_size")
-    swap_min = max(MIN_SWAPPED_BYTES, block_size if isinstance(block_size, int) else 0)
-    _fill_from_model(zero, facts.hidden_size, swap_min)
+    _fill_from_model(zero, facts.hidden_size, swap_threshold_bytes(block_size if isinstance(block_size, int) else None))
     _fill_from_layout(zero, facts)
     if "aio" in config:
         _check_aio(config["aio"])
