@@ -593,21 +593,29 @@ def generate_dataset(
 # ---------------------------------------------------------------------------------------------
 
 
-def _as_samples_by_grid(name: str, array: np.ndarray, path: Path) -> np.ndarray:
-    """Accept ``[N, grid]`` or ``[N, grid, 1]``; anything else is a :class:`DataError`."""
-    if array.ndim == 3 and array.shape[-1] == 1:
+def _as_samples_by_grid(name: str, array: np.ndarray, path: Path, n_dims: int = 1) -> np.ndarray:
+    """Accept ``[N, *grid]`` or ``[N, *grid, 1]`` with ``n_dims`` grid axes; anything else is a :class:`DataError`."""
+    if array.ndim == n_dims + 2 and array.shape[-1] == 1:
         array = array[..., 0]
-    if array.ndim != 2:
-        raise DataError(f"{path}: array '{name}' must have shape [N, grid] or [N, grid, 1], got {array.shape}")
+    if array.ndim != n_dims + 1:
+        grid = "grid" if n_dims == 1 else ", ".join(["n"] * n_dims)
+        other = array.ndim - 1  # the grid axes it does have, if it was meant for another model
+        hint = f" (functions on a {other}-D grid: the science recipe's model=fno{other}d)" if other in (1, 2) else ""
+        raise DataError(
+            f"{path}: array '{name}' must have shape [N, {grid}] or [N, {grid}, 1], got {array.shape}{hint}"
+        )
     if not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array):
         raise DataError(f"{path}: array '{name}' must be real numbers, got dtype {array.dtype}")
     return array
 
 
-def load_npz_dataset(path: str | os.PathLike[str], val_fraction: float = 0.2, seed: int = 0) -> dict[str, Any]:
+def load_npz_dataset(
+    path: str | os.PathLike[str], val_fraction: float = 0.2, seed: int = 0, n_dims: int = 1
+) -> dict[str, Any]:
     """Load users' pairs from an ``.npz`` with arrays ``x`` (inputs) and ``y`` (targets).
 
-    Both are ``[N, grid]`` (or ``[N, grid, 1]``) on a uniform periodic grid; the split is a seeded
+    Both are ``[N, grid]`` (or ``[N, grid, 1]``) on a uniform periodic grid, or with ``n_dims=2``
+    ``[N, nx, ny]`` (or ``[N, nx, ny, 1]``) on the nodes of the unit square; the split is a seeded
     permutation. The held-out part is returned under the ``*_test`` keys so that the result is a
     drop-in for :func:`generate_dataset`.
 
@@ -615,6 +623,7 @@ def load_npz_dataset(path: str | os.PathLike[str], val_fraction: float = 0.2, se
         path: The ``.npz`` file.
         val_fraction: Share of samples held out, in (0, 1); at least one sample goes to each side.
         seed: Seed of the split.
+        n_dims: Grid axes of each function (1 or 2).
 
     Returns:
         ``{"x_train", "y_train", "x_test", "y_test"}`` float32 arrays and ``"meta"``.
@@ -644,9 +653,9 @@ def load_npz_dataset(path: str | os.PathLike[str], val_fraction: float = 0.2, se
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
 
-    x, y = _as_samples_by_grid("x", x, path), _as_samples_by_grid("y", y, path)
+    x, y = _as_samples_by_grid("x", x, path, n_dims), _as_samples_by_grid("y", y, path, n_dims)
     if x.shape != y.shape:
-        raise DataError(f"{path}: 'x' and 'y' must have the same shape [N, grid], got x {x.shape} and y {y.shape}")
+        raise DataError(f"{path}: 'x' and 'y' must have the same shape, got x {x.shape} and y {y.shape}")
     for name, array in (("x", x), ("y", y)):
         bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
         if bad:

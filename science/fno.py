@@ -118,6 +118,23 @@ class SpectralConv(nn.Module):
 SpectralConv1d = SpectralConv
 
 
+class HeadLinear(nn.Linear):
+    """``nn.Linear`` that, with ``compute_fp32``, computes in float32 whatever its weights' dtype (autocast off).
+
+    The upcast happens inside the layer's own ``forward``: ZeRO-3 gathers a layer's partitioned weights when
+    the layer is called, so reading ``weight`` from outside the layer would see an empty partition.
+    """
+
+    compute_fp32 = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.compute_fp32:
+            return super().forward(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias)
+
+
 class FourierNeuralOperator(nn.Module):
     """The FNO body shared by :class:`FNO1d` and :class:`FNO2d`: channels-last functions on a grid in, out.
 
@@ -133,6 +150,11 @@ class FourierNeuralOperator(nn.Module):
             docstring); the output is then float32.
         periodic: Coordinates ``j / n`` (periodic grid) rather than ``i / (n - 1)`` (both boundaries).
         padding: Zero points appended to each spatial dimension around the Fourier layers.
+        input_shift, input_scale: The input is standardised as ``(u - shift) / scale`` (in float32) first.
+        output_scale: The output is multiplied by it last. Darcy's ``a`` is 3 or 12 and its ``u`` about
+            0.01: standardising both, as the paper's ``UnitGaussianNormalizer``, keeps the layers near unit
+            scale. Plain floats, not buffers: DeepSpeed would cast buffers to bf16, and an export's
+            ``config.json`` carries them so the model rebuilds with its own scaling.
     """
 
     def __init__(
@@ -147,19 +169,40 @@ class FourierNeuralOperator(nn.Module):
         fp32_head: bool,
         periodic: bool,
         padding: int,
+        input_shift: float = 0.0,
+        input_scale: float = 1.0,
+        output_scale: float = 1.0,
     ) -> None:
         super().__init__()
+        if input_scale <= 0 or output_scale <= 0:
+            raise ValueError(f"input_scale and output_scale must be > 0, got {input_scale} and {output_scale}")
+        self.input_shift, self.input_scale, self.output_scale = (
+            float(input_shift),
+            float(input_scale),
+            float(output_scale),
+        )
         if n_layers < 1:
             raise ValueError(f"n_layers must be >= 1, got {n_layers}")
         if padding < 0:
             raise ValueError(f"padding must be >= 0, got {padding}")
         self.n_dims, self.modes, self.in_channels, self.out_channels = (n_dims, modes, in_channels, out_channels)
-        self.fp32_head, self.periodic, self.padding = (fp32_head, periodic, padding)
+        self.periodic, self.padding = periodic, padding
         pointwise = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[n_dims - 1]
         self.lift = nn.Linear(in_channels + n_dims, width)
         self.spectral_layers = nn.ModuleList(SpectralConv(width, width, (modes,) * n_dims) for _ in range(n_layers))
         self.pointwise_layers = nn.ModuleList(pointwise(width, width, kernel_size=1) for _ in range(n_layers))
-        self.project = nn.Sequential(nn.Linear(width, proj_width), nn.GELU(), nn.Linear(proj_width, out_channels))
+        self.project = nn.Sequential(HeadLinear(width, proj_width), nn.GELU(), HeadLinear(proj_width, out_channels))
+        self.fp32_head = fp32_head
+
+    @property
+    def fp32_head(self) -> bool:
+        """Whether the projection head computes in float32 (see the module docstring)."""
+        return self.project[0].compute_fp32
+
+    @fp32_head.setter
+    def fp32_head(self, value: bool) -> None:
+        for layer in (self.project[0], self.project[2]):
+            layer.compute_fp32 = bool(value)
 
     def coordinates(self, grid: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """``[*grid, n_dims]`` float32 coordinates of the grid's points in the unit cube."""
@@ -170,8 +213,8 @@ class FourierNeuralOperator(nn.Module):
     def operate(self, u: torch.Tensor) -> torch.Tensor:
         """``[batch, *grid, in_channels]`` -> ``[batch, *grid, out_channels]``; the grid is checked by the caller."""
         batch, grid = u.shape[0], tuple(u.shape[1:-1])
-        # Inputs follow the parameters' dtype, so a bf16-cast module accepts float32 data.
-        u = u.to(self.lift.weight.dtype)
+        # Standardised in float32, then the parameters' dtype, so a bf16-cast module accepts float32 data.
+        u = ((u.float() - self.input_shift) / self.input_scale).to(self.lift.weight.dtype)
         coords = self.coordinates(grid, u.device).to(u.dtype).expand(batch, *grid, self.n_dims)
         v = self.lift(torch.cat([u, coords], dim=-1)).movedim(-1, 1)  # channels first for the convs and FFTs
         if self.padding:
@@ -184,14 +227,8 @@ class FourierNeuralOperator(nn.Module):
         for dim, n in enumerate(grid, start=2):
             v = v.narrow(dim, 0, n)
         v = v.movedim(1, -1)
-        return self._project_fp32(v) if self.fp32_head else self.project(v)
-
-    def _project_fp32(self, v: torch.Tensor) -> torch.Tensor:
-        """The projection head in float32: the module's (e.g. bf16) weights are upcast, autocast is off."""
-        first, last = self.project[0], self.project[2]
-        with torch.autocast(device_type=v.device.type, enabled=False):
-            h = F.gelu(F.linear(v.float(), first.weight.float(), first.bias.float()))
-            return F.linear(h, last.weight.float(), last.bias.float())
+        out = self.project(v)
+        return out * self.output_scale if self.output_scale != 1.0 else out
 
     def _channels_last(self, u: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Accept ``[batch, *grid]`` (one channel) or ``[batch, *grid, in_channels]``; say which it was."""
@@ -219,6 +256,7 @@ class FNO1d(FourierNeuralOperator):
         out_channels: Output function channels.
         fp32_head: Compute the projection head in float32 whatever the module dtype (see the module
             docstring); the output is then float32.
+        scaling: ``input_shift``, ``input_scale``, ``output_scale`` (:class:`FourierNeuralOperator`).
 
     Shapes:
         ``[batch, n]`` -> ``[batch, n]``, or ``[batch, n, in_channels]`` -> ``[batch, n, out_channels]``.
@@ -233,8 +271,11 @@ class FNO1d(FourierNeuralOperator):
         in_channels: int = 1,
         out_channels: int = 1,
         fp32_head: bool = False,
+        **scaling: float,
     ) -> None:
-        super().__init__(1, modes, width, n_layers, proj_width, in_channels, out_channels, fp32_head, True, 0)
+        super().__init__(
+            1, modes, width, n_layers, proj_width, in_channels, out_channels, fp32_head, True, 0, **scaling
+        )
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         """Map input functions sampled at ``x_j = j / n`` to output functions on the same grid."""
@@ -260,6 +301,7 @@ class FNO2d(FourierNeuralOperator):
         out_channels: Output function channels.
         fp32_head: Compute the projection head in float32 whatever the module dtype.
         padding: Zero points appended to each dimension around the Fourier layers (the paper: 9).
+        scaling: ``input_shift``, ``input_scale``, ``output_scale`` (:class:`FourierNeuralOperator`).
 
     Shapes:
         ``[batch, nx, ny]`` -> ``[batch, nx, ny]``, or ``[batch, nx, ny, in_channels]`` ->
@@ -276,8 +318,11 @@ class FNO2d(FourierNeuralOperator):
         out_channels: int = 1,
         fp32_head: bool = False,
         padding: int = 9,
+        **scaling: float,
     ) -> None:
-        super().__init__(2, modes, width, n_layers, proj_width, in_channels, out_channels, fp32_head, False, padding)
+        super().__init__(
+            2, modes, width, n_layers, proj_width, in_channels, out_channels, fp32_head, False, padding, **scaling
+        )
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         """Map input functions at the nodes ``(i, j) / (n - 1)`` to output functions at the same nodes."""

@@ -1,4 +1,4 @@
-"""Figures for the science recipe: predicted vs true ``u(x, T)`` for a few test samples.
+"""Figures for the science recipe: predicted vs true functions for a few test samples (1-D curves, 2-D fields).
 
 Uses matplotlib's object API with the Agg canvas, never ``pyplot``: no global backend switch, no
 display needed, safe in every rank of a distributed run.
@@ -62,4 +62,52 @@ def plot_predictions(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_fields(
+    a: Any, truth: Any, pred: Any, path: str | os.PathLike[str], n: int = 3, title: str | None = None
+) -> Path:
+    """Write a PNG with one row per sample: input ``a``, true ``u``, predicted ``u`` and the error map.
+
+    Args:
+        a: ``[N, nx, ny]`` inputs (Darcy's coefficient).
+        truth: ``[N, nx, ny]`` targets.
+        pred: ``[N, nx, ny]`` predictions.
+        path: Output file; parent folders are created.
+        n: Number of samples shown (the first ``n``).
+        title: Optional figure title, e.g. the run's relative L2.
+
+    Returns:
+        The path written.
+    """
+    a, truth, pred = (_to_numpy(v) for v in (a, truth, pred))
+    n = max(1, min(n, len(truth)))
+    fig = Figure(figsize=(13.0, 3.2 * n), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(n, 4, squeeze=False)
+    extent = (0.0, 1.0, 0.0, 1.0)
+    for i in range(n):
+        error = pred[i] - truth[i]
+        rel = np.linalg.norm(error) / max(np.linalg.norm(truth[i]), np.finfo(float).tiny)
+        # Truth and prediction share one colour scale, so a difference in level shows as a difference in colour.
+        low, high = float(min(truth[i].min(), pred[i].min())), float(max(truth[i].max(), pred[i].max()))
+        limit = float(np.abs(error).max()) or 1.0
+        panels = (
+            (a[i], "input a", {"cmap": "gray"}),
+            (truth[i], "truth u", {"cmap": "viridis", "vmin": low, "vmax": high}),
+            (pred[i], "prediction", {"cmap": "viridis", "vmin": low, "vmax": high}),
+            (error, f"error (rel. L2 {rel:.2e})", {"cmap": "RdBu_r", "vmin": -limit, "vmax": limit}),
+        )
+        for ax, (field, label, style) in zip(axes[i], panels, strict=True):
+            image = ax.imshow(field.T, origin="lower", extent=extent, **style)
+            ax.set_title(f"sample {i}: {label}", fontsize=9)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            fig.colorbar(image, ax=ax, shrink=0.8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
     return path

@@ -1,4 +1,4 @@
-"""What the science recipe trains and reports: Burgers pairs, the FNO-1D, evaluation, run files and summary.json.
+"""What the science recipe trains and reports: Burgers or Darcy pairs, the FNO, evaluation, run files, summary.json.
 
 ``train.py`` (Lightning) and ``train_accelerate.py`` (Accelerate) both import this module, so they train the same
 model on the same data with the same DeepSpeed config, and write the same run files. The config is in
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from science_config import ScienceConfig  # next to this script
+from science_config import GENERATED_DATA, INITIAL_FIELDS, ScienceConfig  # next to this script
 
 from common.accounting import model_state_bytes
 from common.activation import apply_activation_checkpointing
@@ -31,16 +31,17 @@ from common.memory_formulas import ModelFacts, count_module, param_numels
 from common.metrics import Clock, all_reduce, memory_kind, peak_memory_bytes, throughput
 from common.rundir import MetricsLog, env_info, write_json_atomic, write_text_atomic
 from common.strategy import RunFacts, cosine_with_warmup, precision_of, resolve_deepspeed_config, zero_stage
-from science.burgers import DataError, generate_dataset, load_npz_dataset
-from science.fno import FNO1d, SpectralConv1d, count_parameters, min_grid_size, relative_l2
-from science.plots import plot_predictions
+from science import burgers, darcy
+from science.burgers import DataError, load_npz_dataset
+from science.fno import FNO1d, FNO2d, FourierNeuralOperator, SpectralConv, count_parameters, min_grid_size, relative_l2
+from science.plots import plot_fields, plot_predictions
 
 # --- data ----------------------------------------------------------------------------------------
 
 
 @dataclass
 class Pairs:
-    """Input and output functions as float32 tensors ``[N, grid]``, and where they come from.
+    """Input and output functions as float32 tensors ``[N, grid]`` or ``[N, grid, grid]``, and where they come from.
 
     Plain tensors, kept fp32 on purpose: DeepSpeed bf16 casts the model, not the data (docs/science.md).
     """
@@ -56,19 +57,49 @@ class Pairs:
             self.x_train.to(device), self.y_train.to(device), self.x_test.to(device), self.y_test.to(device), self.meta
         )
 
+    @property
+    def n_dims(self) -> int:
+        """Spatial dimensions of the functions."""
+        return self.x_train.ndim - 1
+
+    def scaling(self) -> dict[str, float]:
+        """The training data's mean and spread, for ``standardize=true`` (every rank computes the same numbers).
+
+        Input: its mean and standard deviation. Output: its root mean square, a scale only: the relative L2
+        loss is invariant to it, but the layers then see unit-sized targets, as with the paper's normalizer.
+        """
+        x, y = self.x_train.double(), self.y_train.double()
+        return {
+            "input_shift": float(x.mean()),
+            "input_scale": float(x.std()) or 1.0,
+            "output_scale": float(y.square().mean().sqrt()) or 1.0,
+        }
+
 
 def load_data(cfg: ScienceConfig, grid_size: int | None = None, workers: int = 1) -> Pairs:
-    """Train/test pairs: generated Burgers data or the user's ``.npz``.
+    """Train/test pairs: generated Burgers or Darcy data, or the user's ``.npz``.
 
     Generated data are cached in ``cache_dir``; call this on the main process first so that the other
     ranks read the cache instead of racing to write it.
     """
     if cfg.data == "burgers":
-        arrays = generate_dataset(
+        arrays = burgers.generate_dataset(
             cfg.n_train,
             cfg.n_test,
             grid_size or cfg.grid_size,
             viscosity=cfg.viscosity,
+            **INITIAL_FIELDS[cfg.initial_field],
+            seed=cfg.data_seed,
+            cache_dir=cfg.cache_dir,
+            workers=workers,
+            solve_grid=cfg.solve_grid,
+            progress=workers > 1,
+        )
+    elif cfg.data == "darcy":
+        arrays = darcy.generate_dataset(
+            cfg.n_train,
+            cfg.n_test,
+            cfg.grid_size,
             seed=cfg.data_seed,
             cache_dir=cfg.cache_dir,
             workers=workers,
@@ -78,18 +109,24 @@ def load_data(cfg: ScienceConfig, grid_size: int | None = None, workers: int = 1
     else:
         path = Path(cfg.data).expanduser()
         if path.suffix != ".npz" and not path.is_file():
-            raise ConfigError(
-                f"data must be 'burgers' or a path to an .npz file, got {cfg.data!r}{nearest(cfg.data, ['burgers'])}"
-            )
-        arrays = load_npz_dataset(path, val_fraction=cfg.val_fraction, seed=cfg.data_seed)
-        grid = arrays["meta"]["grid_size"]
-        if grid < min_grid_size(cfg.modes):
-            raise DataError(
-                f"{path}: grid of {grid} points is too coarse for modes={cfg.modes} "
-                f"(needs >= {min_grid_size(cfg.modes)}); pass a smaller modes="
-            )
+            hint = nearest(cfg.data, list(GENERATED_DATA))
+            raise ConfigError(f"data must be 'burgers', 'darcy' or a path to an .npz file, got {cfg.data!r}{hint}")
+        n_dims = 2 if cfg.model == "fno2d" else 1
+        arrays = load_npz_dataset(path, val_fraction=cfg.val_fraction, seed=cfg.data_seed, n_dims=n_dims)
+        check_user_grid(path, arrays["x_train"].shape[1:], cfg)
     tensors = {key: torch.from_numpy(arrays[key]).float() for key in ("x_train", "y_train", "x_test", "y_test")}
     return Pairs(**tensors, meta=arrays["meta"])
+
+
+def check_user_grid(path: Path, grid: tuple[int, ...], cfg: ScienceConfig) -> None:
+    """A user's functions need enough points for the model's modes (their dimensions are checked on reading)."""
+    padding = cfg.padding if len(grid) == 2 else 0
+    need = min_grid_size(cfg.modes, len(grid), padding)
+    if min(grid) < need:
+        raise DataError(
+            f"{path}: grid of {min(grid)} points is too coarse for modes={cfg.modes} "
+            f"(needs >= {need}); pass a smaller modes="
+        )
 
 
 def train_loader(n_train: int, cfg: ScienceConfig, rank: int, world_size: int, start_step: int) -> Any:
@@ -107,19 +144,34 @@ def train_loader(n_train: int, cfg: ScienceConfig, rank: int, world_size: int, s
 # --- model and optimisation ----------------------------------------------------------------------
 
 
-def fno(cfg: ScienceConfig) -> FNO1d:
-    """FNO-1D with the config's sizes (weights from the current RNG state)."""
-    return FNO1d(
-        modes=cfg.modes, width=cfg.width, n_layers=cfg.n_layers, proj_width=cfg.proj_width, fp32_head=cfg.fp32_head
-    )
+def architecture(cfg: ScienceConfig, scaling: dict[str, float] | None = None) -> dict[str, Any]:
+    """The FNO's constructor arguments (``final/config.json`` holds them, with the model's name)."""
+    arch: dict[str, Any] = {
+        "modes": cfg.modes,
+        "width": cfg.width,
+        "n_layers": cfg.n_layers,
+        "proj_width": cfg.proj_width,
+        "fp32_head": cfg.fp32_head,
+    }
+    if cfg.model == "fno2d":
+        arch["padding"] = cfg.padding
+    if cfg.standardize and scaling:
+        arch.update(scaling)
+    return arch
 
 
-def build_model(cfg: ScienceConfig) -> FNO1d:
+def fno(cfg: ScienceConfig, scaling: dict[str, float] | None = None) -> FourierNeuralOperator:
+    """The config's FNO-1D or FNO-2D (weights from the current RNG state); ``scaling`` from :meth:`Pairs.scaling`."""
+    model_class = FNO2d if cfg.model == "fno2d" else FNO1d
+    return model_class(**architecture(cfg, scaling))
+
+
+def build_model(cfg: ScienceConfig, scaling: dict[str, float] | None = None) -> FourierNeuralOperator:
     """The FNO the run trains: the same seed gives the same weights on every rank."""
     torch.manual_seed(cfg.seed)
-    model = fno(cfg)
+    model = fno(cfg, scaling)
     if cfg.activation_checkpointing != "none":
-        apply_activation_checkpointing(model, cfg.activation_checkpointing, block_classes=[SpectralConv1d])
+        apply_activation_checkpointing(model, cfg.activation_checkpointing, block_classes=[SpectralConv])
     return model
 
 
@@ -144,8 +196,16 @@ def resolve_ds_config(cfg: ScienceConfig, world_size: int) -> dict[str, Any]:
     return ds_config
 
 
+def step_decay(step: int, warmup_steps: int, every: int, gamma: float) -> float:
+    """Learning-rate multiplier: linear warmup, then ``gamma`` once every ``every`` steps (the paper's StepLR)."""
+    warmup = (step + 1) / warmup_steps if step < warmup_steps else 1.0
+    return warmup * gamma ** (step // every)
+
+
 def lr_lambda(cfg: ScienceConfig) -> Any:
-    """LambdaLR multiplier: warmup, then cosine to ``min_lr_ratio``."""
+    """LambdaLR multiplier: warmup, then cosine to ``min_lr_ratio`` or, with ``lr_decay_every``, the paper's steps."""
+    if cfg.lr_decay_every:
+        return lambda step: step_decay(step, cfg.warmup_steps, cfg.lr_decay_every, cfg.lr_decay_gamma)
     return lambda step: cosine_with_warmup(step, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
 
 
@@ -249,27 +309,23 @@ def write_run_files(out_dir: Path, cfg: ScienceConfig, ds_config: dict[str, Any]
     write_json_atomic(out_dir / "env.json", env_info(device, world_size))
 
 
-def export_model(state_dict: dict[str, torch.Tensor], cfg: ScienceConfig, out_dir: Path) -> Path:
-    """``final/model.safetensors`` (fp32) + ``final/config.json``: rebuild with ``FNO1d(**config)``."""
+def export_model(state_dict: dict[str, torch.Tensor], arch: dict[str, Any], model: str, out_dir: Path) -> Path:
+    """``final/model.safetensors`` (fp32) + ``final/config.json``: rebuild with ``FNO1d(**config)`` or ``FNO2d``."""
     final, tmp = out_dir / "final", out_dir / ".tmp-final"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.float().contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors")
-    arch = {
-        "modes": cfg.modes,
-        "width": cfg.width,
-        "n_layers": cfg.n_layers,
-        "proj_width": cfg.proj_width,
-        "fp32_head": cfg.fp32_head,
-    }
-    (tmp / "config.json").write_text(json.dumps({"model": "fno1d", **arch}, indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps({"model": model, **arch}, indent=2) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
 
 
 def write_prediction_figure(path: Path, x: torch.Tensor, y: torch.Tensor, preds: torch.Tensor, title: str) -> None:
-    """Three test samples: input, truth and prediction on the samples' own grid."""
+    """Three test samples: input, truth and prediction on the samples' own grid (2-D: fields and error map)."""
+    if x.ndim == 3:
+        plot_fields(x[:3], y[:3], preds, path, title=title)
+        return
     grid = x.shape[-1]
     plot_predictions(torch.arange(grid) / grid, x[:3], y[:3], preds, path, title=title)
 
@@ -292,6 +348,7 @@ class ScienceSummary:
     param_dtype: str  # the trained parameters' dtype
     fft_input_dtypes: list[str]  # what reached torch.fft in one forward pass
     data: str
+    model: str  # fno1d or fno2d
     viscosity: float | None  # generated Burgers data only
     grid_size: int
     n_train: int
@@ -355,9 +412,10 @@ def finish(
     param_dtype, fft_input_dtypes = precision_report(net, x_test[:2])
     if rank != 0:
         return None
-    export_model(weights, cfg, out_dir)
+    export_model(weights, architecture(cfg, data.scaling()), cfg.model, out_dir)
     grid = x_test.shape[-1]
-    title = f"FNO-1D, grid {grid}: test relative L2 {error:.4f}"
+    shape = " x ".join([str(grid)] * data.n_dims)
+    title = f"FNO-{data.n_dims}D, grid {shape}: test relative L2 {error:.4f}"
     write_prediction_figure(out_dir / "predictions.png", x_test.cpu(), y_test.cpu(), preds, title)
     if fine_x is not None:
         fine = fine_x.shape[-1]
@@ -380,6 +438,7 @@ def finish(
         param_dtype=param_dtype,
         fft_input_dtypes=fft_input_dtypes,
         data=cfg.data,
+        model=cfg.model,
         viscosity=cfg.viscosity if cfg.data == "burgers" else None,
         grid_size=grid,
         n_train=len(data.x_train),

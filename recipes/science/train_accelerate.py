@@ -1,4 +1,4 @@
-"""FNO-1D on Burgers' equation: BF16 + ZeRO-2 with round-robin gradients, as a plain Accelerate loop.
+"""FNO on Burgers' equation or Darcy flow: BF16 + ZeRO-2 with round-robin gradients, as a plain Accelerate loop.
 
 The same training as ``train.py`` (same config, data order, model, DeepSpeed dict), written as a loop.
 ``accelerate.yaml`` names ``ds_config.json``, the factory's output for the default config on 2
@@ -79,7 +79,7 @@ def main() -> None:
     data = data.to(accelerator.device)  # fp32: DeepSpeed bf16 casts the model, not the data
     x_train, y_train = data.x_train, data.y_train
 
-    net = build_model(cfg)
+    net = build_model(cfg, data.scaling())
     mark_universal(net)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
     betas = (0.9, 0.999)  # the paper's Adam
     optimizer = make_optimizer(net.parameters(), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=betas)
@@ -95,6 +95,8 @@ def main() -> None:
     loader = train_loader(len(x_train), cfg, rank, world_size, start_step)
 
     metrics = MetricsLog(out_dir, enabled=main_process)
+    if start_step == 0:  # the untrained model's error: where the curve starts
+        metrics.log(0, val_rel_l2=evaluate(model, data.x_test, data.y_test, rank, world_size))
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not main_process)
     step, losses, step_lr = start_step, [], 0.0
     model.train()

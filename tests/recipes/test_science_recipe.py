@@ -61,6 +61,7 @@ SUMMARY_KEYS = [
     "param_dtype",
     "fft_input_dtypes",
     "data",
+    "model",
     "viscosity",
     "grid_size",
     "n_train",
@@ -286,6 +287,7 @@ def check_bf16_zero2_run(out_dir: Path, backend: str, max_steps: int) -> None:
     assert len(losses) == max_steps and all(np.isfinite(losses))
     vals = [r for r in records if "val_rel_l2" in r]
     assert vals[-1]["step"] == max_steps and vals[-1]["val_rel_l2"] == summary["val_rel_l2"]
+    assert vals[0]["step"] == 0 and summary["val_rel_l2"] < 0.9 * vals[0]["val_rel_l2"]  # training lowered it
 
     arch = json.loads((out_dir / "final" / "config.json").read_text())
     model = FNO1d(**{k: v for k, v in arch.items() if k != "model"})
@@ -297,7 +299,9 @@ def check_bf16_zero2_run(out_dir: Path, backend: str, max_steps: int) -> None:
 @pytest.mark.parametrize("backend", ["lightning", "accelerate"])
 def test_bf16_zero2_run_writes_a_complete_run_directory(tmp_path, cache_dir, backend):
     out_dir = tmp_path / "run"
-    launch(backend, overrides(out_dir, cache_dir, max_steps=8, checkpoint_interval=4))
+    # Burgers with shocks: the public generator's field at viscosity 1e-3, solved on 1,024 points.
+    shocks = {"viscosity": 0.001, "initial_field": "public_generator", "solve_grid": 1024, "lr": 0.01}
+    launch(backend, overrides(out_dir, cache_dir, max_steps=8, checkpoint_interval=4, **shocks))
     check_bf16_zero2_run(out_dir, backend, max_steps=8)
 
 

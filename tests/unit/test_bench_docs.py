@@ -35,6 +35,7 @@ RESULTS_BENCH = {
     "hang_overhead.json": "hang_overhead.py",
     "nvme_io.json": "nvme_io.py",
     "offload_time.json": "offload_time.py",
+    "science_errors.json": "science_errors.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 
