@@ -31,7 +31,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench._bench_util import REPO, bench_env, free_port, load_document, publish_sections, write_results  # noqa: E402
+from bench._bench_util import (  # noqa: E402
+    REPO,
+    bench_env,
+    free_port,
+    git_commit,
+    load_document,
+    publish_sections,
+    write_results,
+)
 from common.errors import exit_on_user_error  # noqa: E402
 
 RESULTS = HERE / "results" / "science_errors.json"
@@ -112,6 +120,7 @@ def run_recipe(name: str, out_dir: Path) -> dict:
         n_test=summary["n_test"],
         data_generation_seconds=summary["data_meta"].get("generation_seconds"),
         paper_rel_l2=PAPER[problem],
+        git_commit=git_commit(),  # per row: a partial rerun keeps the other rows with their own commit
     )
     print(f"[{name}] relative L2 {row['val_rel_l2']:.4f} in {elapsed:.0f} s", flush=True)
     return row
@@ -200,7 +209,9 @@ def main() -> None:
         return
     kept = {}
     if args.json.exists() and set(args.runs) != set(CPU_RUNS):  # a partial rerun keeps the other rows
-        kept = {row["name"]: row for row in load_document(args.json)["results"]["runs"]}
+        previous = load_document(args.json)
+        for row in previous["results"]["runs"]:
+            kept[row["name"]] = {**row, "git_commit": row.get("git_commit", previous["provenance"]["git_commit"])}
     rows = dict(kept)
     with tempfile.TemporaryDirectory(prefix="zr-science-bench-") as work:
         for name in args.runs:

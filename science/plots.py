@@ -22,6 +22,16 @@ def _to_numpy(values: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.float64)
 
 
+def _save(fig: Figure, path: str | os.PathLike[str], title: str | None, dpi: int) -> Path:
+    """Title the figure, create the parent folders, write the PNG."""
+    if title:
+        fig.suptitle(title, fontsize=10)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
 def plot_predictions(
     x_grid: Any, u0: Any, truth: Any, pred: Any, path: str | os.PathLike[str], n: int = 3, title: str | None = None
 ) -> Path:
@@ -57,12 +67,7 @@ def plot_predictions(
         bottom.set_title(f"output, rel. L2 {error:.2e}", fontsize=9)
         bottom.set_xlabel("x")
     axes[1, 0].legend(fontsize=8, loc="best")
-    if title:
-        fig.suptitle(title, fontsize=10)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path, title, dpi=110)
 
 
 def plot_fields(
@@ -105,9 +110,4 @@ def plot_fields(
             ax.set_xticks([])
             ax.set_yticks([])
             fig.colorbar(image, ax=ax, shrink=0.8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    return path
+    return _save(fig, path, title, dpi=90)
