@@ -153,10 +153,13 @@ def problems_body(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["runs"]:
+        precision = row["precision"]
+        if precision == "bf16":  # what bf16 covers: the fp32 head (the default) keeps the prediction in fp32
+            precision = "bf16 everywhere" if "fp32_head=false" in row["command"] else "bf16 (fp32 head)"
         bar = row["paper_rel_l2"] if row["config"].endswith("_paper.yaml") else CPU_BARS.get(row["problem"])
         verdict = f"<= {bar} {'met' if row['val_rel_l2'] <= bar else 'NOT met'}" if bar else "-"
         lines.append(
-            f"| {PROBLEM_LABELS[row['problem']]} | `{row['config']}` | {row['precision']} | {row['zero_stage']} "
+            f"| {PROBLEM_LABELS[row['problem']]} | `{row['config']}` | {precision} | {row['zero_stage']} "
             f"| {row['backend']} | **{row['val_rel_l2']:.4f}** | {row['paper_rel_l2']} | {verdict} | {row['steps']} "
             f"| {row['wall_time_s']:.0f} s | `{row['command']}` |"
         )
