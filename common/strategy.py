@@ -507,12 +507,22 @@ def make_optimizer(
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """Linear warmup: ``(step + 1) / warmup_steps`` during the first ``warmup_steps`` steps, then 1."""
+    return (step + 1) / warmup_steps if step < warmup_steps else 1.0
+
+
 def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> float:
     """Learning-rate multiplier: linear warmup, then cosine decay to ``min_ratio`` (a LambdaLR function)."""
     if step < warmup_steps:
-        return (step + 1) / max(1, warmup_steps)
+        return warmup_factor(step, warmup_steps)
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def step_decay_with_warmup(step: int, warmup_steps: int, every: int, gamma: float) -> float:
+    """Learning-rate multiplier: linear warmup, then ``gamma`` once every ``every`` steps (torch's StepLR)."""
+    return warmup_factor(step, warmup_steps) * gamma ** (step // every)
 
 
 def arm_hang_detection(timeout: timedelta | None, run_dir: str | Path | None) -> None:

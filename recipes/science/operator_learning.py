@@ -30,7 +30,14 @@ from common.lint import lint_at_start
 from common.memory_formulas import ModelFacts, count_module, param_numels
 from common.metrics import Clock, all_reduce, memory_kind, peak_memory_bytes, throughput
 from common.rundir import MetricsLog, env_info, write_json_atomic, write_text_atomic
-from common.strategy import RunFacts, cosine_with_warmup, precision_of, resolve_deepspeed_config, zero_stage
+from common.strategy import (
+    RunFacts,
+    cosine_with_warmup,
+    precision_of,
+    resolve_deepspeed_config,
+    step_decay_with_warmup,
+    zero_stage,
+)
 from science import burgers, darcy
 from science.burgers import DataError, load_npz_dataset
 from science.fno import FNO1d, FNO2d, FourierNeuralOperator, SpectralConv, count_parameters, min_grid_size, relative_l2
@@ -196,16 +203,10 @@ def resolve_ds_config(cfg: ScienceConfig, world_size: int) -> dict[str, Any]:
     return ds_config
 
 
-def step_decay(step: int, warmup_steps: int, every: int, gamma: float) -> float:
-    """Learning-rate multiplier: linear warmup, then ``gamma`` once every ``every`` steps (the paper's StepLR)."""
-    warmup = (step + 1) / warmup_steps if step < warmup_steps else 1.0
-    return warmup * gamma ** (step // every)
-
-
 def lr_lambda(cfg: ScienceConfig) -> Any:
     """LambdaLR multiplier: warmup, then cosine to ``min_lr_ratio`` or, with ``lr_decay_every``, the paper's steps."""
     if cfg.lr_decay_every:
-        return lambda step: step_decay(step, cfg.warmup_steps, cfg.lr_decay_every, cfg.lr_decay_gamma)
+        return lambda step: step_decay_with_warmup(step, cfg.warmup_steps, cfg.lr_decay_every, cfg.lr_decay_gamma)
     return lambda step: cosine_with_warmup(step, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
 
 

@@ -17,6 +17,7 @@ from _util import REPO
 from safetensors.torch import load_file
 
 from common.errors import ConfigError
+from common.strategy import step_decay_with_warmup
 from science.burgers import DataError, load_npz_dataset
 from science.fno import FNO1d, FNO2d
 from science.plots import plot_fields
@@ -70,10 +71,16 @@ def test_public_generator_field_is_the_papers_gen_burgers1():
 
 
 def test_step_decay_is_the_papers_steplr_after_warmup():
-    step_decay = recipe_module("operator_learning").step_decay
     # StepLR(step_size=100, gamma=0.5): 1.0 for steps 0..99, 0.5 for 100..199, 0.25 from 200.
-    assert [step_decay(s, 0, 100, 0.5) for s in (0, 99, 100, 199, 200, 450)] == [1.0, 1.0, 0.5, 0.5, 0.25, 0.0625]
-    assert [step_decay(s, 4, 100, 0.5) for s in (0, 1, 3, 4)] == [0.25, 0.5, 1.0, 1.0]
+    assert [step_decay_with_warmup(s, 0, 100, 0.5) for s in (0, 99, 100, 199, 200, 450)] == [
+        1.0,
+        1.0,
+        0.5,
+        0.5,
+        0.25,
+        0.0625,
+    ]
+    assert [step_decay_with_warmup(s, 4, 100, 0.5) for s in (0, 1, 3, 4)] == [0.25, 0.5, 1.0, 1.0]
 
 
 def test_standardised_fno_equals_the_plain_fno_on_hand_standardised_data():
