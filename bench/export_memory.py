@@ -47,8 +47,11 @@ DEEPSPEED_CONVERT = (
 )
 
 
-def make_checkpoint(args: argparse.Namespace) -> None:
-    """One rank of the 2-process ZeRO-3 run that writes the checkpoint (started by torch.distributed.run)."""
+def zero3_llama_engine(hidden_size: int, layers: int, vocab: int):
+    """One rank's fp32 Llama from a config under ZeRO-3 (every parameter partitioned), with torch's AdamW.
+
+    Used by this bench and bench/checkpoint.py (started by torch.distributed.run: one call per rank).
+    """
     import deepspeed
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -69,24 +72,32 @@ def make_checkpoint(args: argparse.Namespace) -> None:
     }
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841  (alive while the model is built: it is built sharded)
     config = LlamaConfig(
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden_size // 64,
-        num_key_value_heads=args.hidden_size // 64,
-        intermediate_size=int(args.hidden_size * 8 / 3) // 64 * 64,
-        vocab_size=args.vocab,
+        hidden_size=hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=hidden_size // 64,
+        intermediate_size=int(hidden_size * 8 / 3) // 64 * 64,
+        vocab_size=vocab,
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine
+
+
+def make_checkpoint(args: argparse.Namespace) -> None:
+    """One rank of the 2-process ZeRO-3 run that writes the checkpoint (started by torch.distributed.run)."""
+    import torch
+
+    engine = zero3_llama_engine(args.hidden_size, args.layers, args.vocab)
     batch = torch.randint(0, args.vocab, (1, 16))
     loss = engine(input_ids=batch, labels=batch).loss
     engine.backward(loss)
     engine.step()
     engine.save_checkpoint(args.make_checkpoint, tag="global_step1")
     if engine.global_rank == 0:
-        params = sum(p.ds_numel for p in model.parameters())
+        params = sum(p.ds_numel for p in engine.module.parameters())
         (Path(args.make_checkpoint) / "num_params.json").write_text(json.dumps({"num_params": params}))
 
 

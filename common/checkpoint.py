@@ -39,26 +39,84 @@ def tmp_checkpoint_dir(out_dir: str | Path, step: int) -> Path:
     return Path(out_dir) / CHECKPOINTS / f".tmp-{step_dir_name(step)}"
 
 
-def publish_checkpoint(out_dir: str | Path, step: int, keep_last: int = 2) -> Path:
-    """Rank 0, after all ranks wrote ``tmp_checkpoint_dir``: rename it into place, then move ``latest``.
+def check_retention(keep_last: int, keep_every: int, checkpoint_interval: int) -> None:
+    """Refuse retention settings that would delete what a user expects kept (a recipe config calls it).
+
+    Args:
+        keep_last: newest complete checkpoints kept; at least 1, since ``latest`` (what resume reads) is one of them.
+        keep_every: also keep every checkpoint whose step is a multiple of this, for good (0 = off).
+        checkpoint_interval: steps between saves; ``keep_every`` must be a multiple of it, or no saved step would
+            ever be a multiple of ``keep_every``.
+    """
+    if keep_last < 1:
+        raise ConfigError(
+            f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is the one resume=true reads"
+        )
+    if keep_every < 0:
+        raise ConfigError(f"keep_every must be >= 0 (0 = off), got {keep_every}")
+    if keep_every and keep_every % checkpoint_interval:
+        fit = -(-keep_every // checkpoint_interval) * checkpoint_interval  # the next multiple up
+        raise ConfigError(
+            f"keep_every={keep_every} keeps steps that are multiples of {keep_every}, but checkpoints are saved every "
+            f"checkpoint_interval={checkpoint_interval} steps, so few or none of them would exist; "
+            f"use a multiple of {checkpoint_interval}, e.g. keep_every={fit}"
+        )
+
+
+def retained_steps(steps: list[int], newest: int, keep_last: int, keep_every: int = 0) -> set[int]:
+    """The complete checkpoints that stay once step ``newest`` is published (a pure function of step numbers).
+
+    Kept: the ``keep_last`` newest steps up to ``newest`` (``newest`` is always one: never delete the only complete
+    checkpoint), every multiple of ``keep_every`` (when > 0), and any step after ``newest``. Those last ones were
+    written by an earlier attempt that crashed before ``latest`` moved to them; a resumed run replaces each when it
+    gets there, and until then they are not this timeline's to delete.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    up_to_newest = sorted(s for s in set(steps) | {newest} if s <= newest)
+    kept = set(up_to_newest[-keep_last:]) | {s for s in steps if s > newest}
+    if keep_every > 0:
+        kept |= {s for s in up_to_newest if s % keep_every == 0}
+    return kept
+
+
+def publish_checkpoint(out_dir: str | Path, step: int, keep_last: int = 2, keep_every: int = 0) -> Path:
+    """Rank 0, after all ranks wrote ``tmp_checkpoint_dir``: rename it into place, move ``latest``, apply retention.
+
+    Older checkpoints are deleted only after ``latest`` names the new, complete one (:func:`retained_steps` says
+    which stay), so a crash at any point leaves ``latest`` naming a complete checkpoint.
 
     Args:
         out_dir: the run directory.
         step: the optimizer step the checkpoint holds.
-        keep_last: complete checkpoints to keep (older ones are deleted after ``latest`` moved).
+        keep_last: newest complete checkpoints to keep (>= 1).
+        keep_every: also keep every checkpoint whose step is a multiple of this (0 = off).
     """
     root = Path(out_dir) / CHECKPOINTS
     tmp, final = tmp_checkpoint_dir(out_dir, step), root / step_dir_name(step)
-    if final.exists():  # the same step saved again (e.g. the last step): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    write_text_atomic(root / LATEST, final.name + "\n")
-    steps = sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
-    for old in steps[:-keep_last] if keep_last > 0 else []:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+    if not tmp.is_dir():  # checked before anything is touched: a failed save must not cost a complete checkpoint
+        raise RuntimeError(f"nothing to publish: {tmp} does not exist (did every rank write its shards?)")
+    if final.exists() and _latest_name(root) == final.name:
+        # The published checkpoint of this very step is complete and is what resume reads; replacing it would open a
+        # window with no complete checkpoint, and a save of the same step holds the same state. Keep it.
+        shutil.rmtree(tmp)
+    else:
+        if final.exists():  # left by an attempt that crashed before `latest` reached it: not what resume reads
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_text_atomic(root / LATEST, final.name + "\n")
+    steps = {checkpoint_step(p): p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)}
+    kept = retained_steps(list(steps), step, keep_last, keep_every)
+    for old_step, path in steps.items():
+        if old_step not in kept:
+            shutil.rmtree(path, ignore_errors=True)
     clean_partial_checkpoints(out_dir)
     return final
+
+
+def _latest_name(root: Path) -> str | None:
+    pointer = root / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
 
 
 def clean_partial_checkpoints(out_dir: str | Path) -> list[Path]:

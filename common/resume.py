@@ -50,6 +50,8 @@ RESUMABLE_KEYS = frozenset(
         "grad_accum",
         "eval_interval",
         "checkpoint_interval",
+        "keep_last",
+        "keep_every",
         "log_interval",
         "collective_timeout_s",
         "data_workers",

@@ -52,7 +52,7 @@ from classification import (  # next to this script: data, model, loss, evaluati
 )
 from cv_config import DEFAULT_CONFIG, CVConfig
 
-from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
 from common.errors import exit_on_user_error
@@ -103,6 +103,20 @@ class ImageClassifier(L.LightningModule):
     def on_fit_start(self) -> None:
         self.metrics = MetricsLog(self.cfg.out_dir, enabled=self.global_rank == 0)
 
+    def on_train_start(self) -> None:
+        cfg, strategy = self.cfg, self.trainer.strategy
+        self.checkpointer = make_checkpointer(
+            cfg.async_save,
+            cfg.out_dir,
+            self.global_rank,
+            self.trainer.world_size,
+            cfg.keep_last,
+            cfg.keep_every,
+            strategy.barrier,
+            cfg.collective_timeout_s,
+        )
+        self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
+
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         rank, world_size = self.global_rank, self.trainer.world_size
         return train_loader(self.data, self.cfg, rank, world_size, self.start_step, full_length=True)
@@ -150,16 +164,13 @@ class ImageClassifier(L.LightningModule):
             self.print(f"step {step}: val_accuracy {result.val_accuracy:.4f} ({self.clock.wall():.0f} s)")
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
-            out_dir, strategy = Path(cfg.out_dir), self.trainer.strategy
-            self.trainer.save_checkpoint(tmp_checkpoint_dir(out_dir, step))
-            strategy.barrier()
-            if self.trainer.is_global_zero:
-                publish_checkpoint(out_dir, step)
-            strategy.barrier()
+            self.checkpointer.save(step, self.trainer.save_checkpoint)
+            self.metrics.log(step, checkpoint_blocked_s=self.checkpointer.blocked_s[-1])
         self.clock.skip()
 
     def on_train_end(self) -> None:
         """Final evaluation, exported weights and confusion matrix; the summary is kept for main()."""
+        self.checkpointer.finish()  # async_save: the last checkpoint written and published before the export
         self.summary = finish(
             self.cfg,
             self.ds_config,

@@ -41,7 +41,7 @@ from classification import (  # next to this script: data, model, loss, evaluati
 from cv_config import DEFAULT_CONFIG, CVConfig
 from tqdm.auto import tqdm
 
-from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce
@@ -93,6 +93,17 @@ def main() -> None:
             accelerator.load_state(str(resume.load_path))  # DeepSpeed shards and optimizer, the scheduler
     loader = train_loader(data, cfg, rank, world_size, start_step)
     net = accelerator.unwrap_model(engine)
+    checkpointer = make_checkpointer(
+        cfg.async_save,
+        out_dir,
+        rank,
+        world_size,
+        cfg.keep_last,
+        cfg.keep_every,
+        accelerator.wait_for_everyone,
+        cfg.collective_timeout_s,
+    )
+    checkpointer.install(engine)  # async_save: DeepSpeed's files go through it
 
     metrics = MetricsLog(out_dir, enabled=accelerator.is_main_process)
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not accelerator.is_main_process)
@@ -129,13 +140,11 @@ def main() -> None:
             bar.write(f"step {step}: val_accuracy {result.val_accuracy:.4f} ({clock.wall():.0f} s)")
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
-            accelerator.save_state(str(tmp_checkpoint_dir(out_dir, step)))
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                publish_checkpoint(out_dir, step)
-            accelerator.wait_for_everyone()
+            checkpointer.save(step, lambda folder: accelerator.save_state(str(folder)))
+            metrics.log(step, checkpoint_blocked_s=checkpointer.blocked_s[-1])
         clock.skip()
     bar.close()
+    checkpointer.finish()  # async_save: the last checkpoint written and published before the export
 
     summary = finish(
         cfg,

@@ -74,7 +74,7 @@ from common.describe import local_world
 from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
 from common.metrics import Clock, all_reduce
-from common.model_folder import check_weight_files
+from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
 from common.rundir import (
     MetricsLog,
     is_launcher_rank_zero,
@@ -103,6 +103,7 @@ class LoRAFinetune(L.LightningModule):
         attention: str,
         module_names: list[str],
         base_val_accuracy: float | None,
+        base: dict,
         start_step: int,
         clock: Clock,
     ) -> None:
@@ -110,6 +111,7 @@ class LoRAFinetune(L.LightningModule):
         self.cfg, self.data, self.ds_config, self.attention = cfg, data, ds_config, attention
         self.module_names = module_names  # the base's Linear layer names: LoRA's targets are checked against them
         self.base_val_accuracy = base_val_accuracy  # measured on rank 0 only, before training
+        self.base = base  # the frozen base's files and hashes: every checkpoint names what its adapters sit on
         self.start_step, self.clock = start_step, clock
         self.model = None  # built in configure_model, inside ZeRO-3's partitioned construction
         self.strict_loading = False  # checkpoints leave the frozen base out: it comes from model= on resume
@@ -176,7 +178,8 @@ class LoRAFinetune(L.LightningModule):
         self.trainer.save_checkpoint(tmp_checkpoint_dir(out_dir, step))
         strategy.barrier()
         if self.trainer.is_global_zero:
-            publish_checkpoint(out_dir, step)
+            write_base_reference(tmp_checkpoint_dir(out_dir, step), self.base)
+            publish_checkpoint(out_dir, step, self.cfg.keep_last, self.cfg.keep_every)
         strategy.barrier()
 
     def on_train_end(self) -> None:
@@ -225,6 +228,10 @@ def main() -> None:
     out_dir = Path(cfg.out_dir)
     if rank0:
         refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)
+    # Adapters resumed on another base than the one they were trained on would train on and mean nothing.
+    base = base_reference(cfg.pretrained)
+    if cfg.resume:
+        check_base_unchanged(latest_checkpoint(out_dir), base)
     tokenizer = load_tokenizer(cfg, config)
     data = load_sft_data(cfg, tokenizer)
     module_names = base_module_names(cfg, config)
@@ -245,7 +252,7 @@ def main() -> None:
         raise ConfigError(f"resume=true but {out_dir}/{CHECKPOINTS} holds no complete checkpoint")
     start_step = checkpoint_step(latest) if latest else 0
 
-    module = LoRAFinetune(cfg, data, ds_config, attention, module_names, base_val_accuracy, start_step, clock)
+    module = LoRAFinetune(cfg, data, ds_config, attention, module_names, base_val_accuracy, base, start_step, clock)
     trainer_kwargs = lightning_trainer_kwargs(ds_config)
     trainer_kwargs["strategy"].exclude_frozen_parameters = True  # the frozen base is model=, not checkpoint state
     trainer = L.Trainer(

@@ -61,7 +61,7 @@ from common.config import config_to_dict, parse_recipe_args
 from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
 from common.metrics import Clock, all_reduce
-from common.model_folder import check_weight_files
+from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads
 from common.strategy import accelerator_kwargs, make_optimizer
 from nlp.data import DataError
@@ -71,12 +71,14 @@ from nlp.model import ModelError
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated", category=FutureWarning)
 
 
-def save_checkpoint(accelerator: Accelerator, out_dir: Path, step: int) -> None:
-    """Every rank writes its shards (adapters and their optimizer state, no frozen weights); rank 0 publishes."""
+def save_checkpoint(accelerator: Accelerator, out_dir: Path, step: int, cfg: FinetuneConfig, base: dict) -> None:
+    """Every rank writes its shards (adapters and their optimizer state, no frozen weights); rank 0 adds the base's
+    reference (its files' hashes) and publishes."""
     accelerator.save_state(str(tmp_checkpoint_dir(out_dir, step)), exclude_frozen_parameters=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        publish_checkpoint(out_dir, step)
+        write_base_reference(tmp_checkpoint_dir(out_dir, step), base)
+        publish_checkpoint(out_dir, step, cfg.keep_last, cfg.keep_every)
     accelerator.wait_for_everyone()
 
 
@@ -91,6 +93,10 @@ def main() -> None:
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if is_launcher_rank_zero():  # rank 0 creates out_dir below, before the ranks meet: only it may judge it
         refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)
+    # Adapters resumed on another base than the one they were trained on would train on and mean nothing.
+    base = base_reference(cfg.pretrained)
+    if cfg.resume:
+        check_base_unchanged(latest_checkpoint(out_dir), base)
     on_gpu = torch.cuda.is_available()
 
     # --- checks, data and the base model's score: before any process group, rank 0 writes and scores alone ---
@@ -171,7 +177,7 @@ def main() -> None:
             val_loss = run_eval(step)
             engine.train()
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
-            save_checkpoint(accelerator, out_dir, step)
+            save_checkpoint(accelerator, out_dir, step, cfg, base)
         clock.skip()
     bar.close()
 

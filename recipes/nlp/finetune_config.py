@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.checkpoint import check_retention
 from common.errors import ConfigError, nearest
 from common.presets import PRESET_NAMES
 from common.strategy import PRECISIONS
@@ -80,6 +81,8 @@ class FinetuneConfig:
     # --- logging ---
     eval_interval: int = 100  # steps between validation losses (accuracy is measured at the start and the end)
     checkpoint_interval: int = 100
+    keep_last: int = 2  # newest complete checkpoints kept; older ones are deleted once a newer one is published
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, for good (0 = off)
     log_interval: int = 10
 
     def __post_init__(self) -> None:
@@ -104,6 +107,7 @@ class FinetuneConfig:
             raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.resume and self.overwrite:
             raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
+        check_retention(self.keep_last, self.keep_every, self.checkpoint_interval)
 
     @property
     def pretrained(self) -> Path:

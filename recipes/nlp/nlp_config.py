@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.checkpoint import check_retention
 from common.errors import ConfigError, nearest
 from common.presets import PRESET_NAMES
 from common.strategy import PRECISIONS
@@ -74,6 +75,9 @@ class NLPConfig:
     # --- logging ---
     eval_interval: int = 100
     checkpoint_interval: int = 250
+    keep_last: int = 2  # newest complete checkpoints kept; older ones are deleted once a newer one is published
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, for good (0 = off)
+    async_save: bool = False  # training waits only for a host-memory snapshot; the disk write runs behind it
     log_interval: int = 10
     sample_prompt: str = "    def __init__(self"  # the end-of-run sample continues this prompt
     sample_tokens: int = 48
@@ -107,6 +111,7 @@ class NLPConfig:
             raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.resume and self.overwrite:
             raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
+        check_retention(self.keep_last, self.keep_every, self.checkpoint_interval)
 
     @property
     def pretrained(self) -> Path | None:

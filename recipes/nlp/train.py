@@ -57,7 +57,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
 )
 
 from common.accounting import model_state_bytes
-from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
 from common.errors import exit_on_user_error
@@ -140,6 +140,18 @@ class CausalLM(L.LightningModule):
         return loss
 
     def on_train_start(self) -> None:
+        cfg, strategy = self.cfg, self.trainer.strategy
+        self.checkpointer = make_checkpointer(
+            cfg.async_save,
+            cfg.out_dir,
+            self.global_rank,
+            self.trainer.world_size,
+            cfg.keep_last,
+            cfg.keep_every,
+            strategy.barrier,
+            cfg.collective_timeout_s,
+        )
+        self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
         self.val_batches = eval_batches(self.data, self.cfg, self.global_rank, self.trainer.world_size)
         if self.start_step == 0:
             self.evaluate_and_log(0)
@@ -180,15 +192,12 @@ class CausalLM(L.LightningModule):
 
     def save(self, step: int) -> None:
         # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
-        out_dir, strategy = Path(self.cfg.out_dir), self.trainer.strategy
-        self.trainer.save_checkpoint(tmp_checkpoint_dir(out_dir, step))
-        strategy.barrier()
-        if self.trainer.is_global_zero:
-            publish_checkpoint(out_dir, step)
-        strategy.barrier()
+        self.checkpointer.save(step, self.trainer.save_checkpoint)
+        self.log_file.log(step, checkpoint_blocked_s=self.checkpointer.blocked_s[-1])
 
     def on_train_end(self) -> None:
         """Logits on a fixed batch, whole weights gathered (every rank), then final/; the summary is kept for main()."""
+        self.checkpointer.finish()  # async_save: the last checkpoint written and published before the export
         self.summary = finish(
             self.cfg,
             self.ds_config,

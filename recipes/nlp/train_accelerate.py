@@ -52,7 +52,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
 from tqdm.auto import tqdm
 
 from common.accounting import model_state_bytes
-from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce
@@ -69,15 +69,6 @@ from nlp.data import DataError
 from nlp.model import ModelError, resolve_attention
 
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated", category=FutureWarning)
-
-
-def save_checkpoint(accelerator: Accelerator, out_dir: Path, step: int) -> None:
-    """Every rank writes its shards (and the scheduler, RNG) into a temporary folder; rank 0 publishes it."""
-    accelerator.save_state(str(tmp_checkpoint_dir(out_dir, step)))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        publish_checkpoint(out_dir, step)
-    accelerator.wait_for_everyone()
 
 
 @exit_on_user_error(DataError, ModelError)
@@ -130,6 +121,17 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
+    checkpointer = make_checkpointer(
+        cfg.async_save,
+        out_dir,
+        rank,
+        world_size,
+        cfg.keep_last,
+        cfg.keep_every,
+        accelerator.wait_for_everyone,
+        cfg.collective_timeout_s,
+    )
+    checkpointer.install(engine)  # async_save: DeepSpeed's files go through it
 
     if resume:
         with param_groups_kept(optimizer):  # DeepSpeed's ZeRO-3 universal load flattens the groups' settings
@@ -191,9 +193,12 @@ def main() -> None:
             val_loss = run_eval(step)
             engine.train()
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
-            save_checkpoint(accelerator, out_dir, step)
+            # Every rank writes its shards (and the scheduler, RNG) into a temporary folder; rank 0 publishes it.
+            checkpointer.save(step, lambda folder: accelerator.save_state(str(folder)))
+            log.log(step, checkpoint_blocked_s=checkpointer.blocked_s[-1])
         clock.skip()
     bar.close()
+    checkpointer.finish()  # async_save: the last checkpoint written and published before the export
 
     # --- export: logits on a fixed batch and whole weights (collective), then final/ and its check on rank 0 ---
     summary = finish(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.activation import check_preset
+from common.checkpoint import check_retention
 from common.errors import ConfigError, nearest
 from common.presets import PRESET_NAMES
 from common.strategy import RunFacts, resolve_deepspeed_config
@@ -106,6 +107,8 @@ class ScienceConfig:
     # --- logging ---
     eval_interval: int = 250
     checkpoint_interval: int = 500
+    keep_last: int = 2  # newest complete checkpoints kept; older ones are deleted once a newer one is published
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, for good (0 = off)
     log_interval: int = 10
     trust_remote_code: bool = False  # no hub models here; kept for the common key set
 
@@ -144,6 +147,7 @@ class ScienceConfig:
             self._check_generated_data()
         if self.resume and self.overwrite:
             raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
+        check_retention(self.keep_last, self.keep_every, self.checkpoint_interval)
         if self.trust_remote_code:
             raise ConfigError("trust_remote_code has no use in the science recipe (it loads no hub code)")
 

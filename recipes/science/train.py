@@ -146,7 +146,7 @@ class OperatorLearning(L.LightningModule):
             self.trainer.save_checkpoint(tmp_checkpoint_dir(self.out_dir, step))
             self.trainer.strategy.barrier()
             if self.global_rank == 0:
-                publish_checkpoint(self.out_dir, step)
+                publish_checkpoint(self.out_dir, step, cfg.keep_last, cfg.keep_every)
             self.trainer.strategy.barrier()
         self.clock.skip()
 

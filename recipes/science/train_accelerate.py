@@ -128,7 +128,7 @@ def main() -> None:
             accelerator.save_state(str(tmp_checkpoint_dir(out_dir, step)))
             accelerator.wait_for_everyone()
             if main_process:
-                publish_checkpoint(out_dir, step)
+                publish_checkpoint(out_dir, step, cfg.keep_last, cfg.keep_every)
             accelerator.wait_for_everyone()
         clock.skip()
     bar.close()

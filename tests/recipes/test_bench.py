@@ -79,3 +79,25 @@ def test_gpu_script_cpu_mode_runs_offload_and_checkpointing_variants(tmp_path):
     rendered = tmp_path / "again" / "benchmarks_gpu.md"  # same name: write_section titles a new page by its name
     run([PYTHON, "bench/gpu.py", "--cpu", "--render", "--json", results, "--doc", rendered], timeout=60)
     assert rendered.read_text() == text
+
+
+def test_checkpoint_bench_cpu_mode_writes_its_results_with_provenance(tmp_path):
+    """bench/checkpoint.py on a 0.5M-parameter model, one launch: both writers measured, results renderable."""
+    results = tmp_path / "checkpoint.json"
+    args = ["--hidden-size", "128", "--layers", "2", "--vocab", "512", "--saves", "2", "--repeats", "1"]
+    args += ["--saves-per-run", "1", "--processes", "2", "--smaller-sizes", "0", "--json", results, "--no-doc"]
+    run([PYTHON, "bench/checkpoint.py", *args], timeout=300)
+    provenance, written = read_results(results)
+    assert provenance["command"] == f"python bench/checkpoint.py {' '.join(map(str, args))}"
+    assert provenance["git_commit"] and provenance["versions"]["deepspeed"] and provenance["cpu_count"] >= 1
+    stall = written["stall"]
+    assert stall["world_size"] == 2 and stall["num_params"] > 0 and stall["checkpoint_bytes"] > 0
+    assert [len(stall["blocked_s"][mode]) for mode in ("sync", "async")] == [2, 2]
+    # The snapshot is one rank's share of what a checkpoint holds: between a tenth and all of it.
+    assert stall["checkpoint_bytes"] / 10 < stall["snapshot_bytes_per_rank"] < stall["checkpoint_bytes"]
+    assert written["summary"]["stall_ratio"] > 0 and len(written["scaling"]) == 1
+    sys.path.insert(0, str(REPO))
+    from bench.checkpoint import render_sections
+
+    body = render_sections({"results": written})["checkpoint saves"]
+    assert "stall_ratio" in body and "| 1M | 2 |" in body

@@ -381,21 +381,44 @@ def check_state_bytes_against_the_planner(base: Path, summary: dict) -> None:
     ]
 
 
+def check_refused_on_a_changed_base(launch, out_dir: Path, base: Path, args: list, code: int) -> None:
+    """One weight of the frozen base changed, then resume: one error line naming the file; the run untouched.
+
+    ``code``: the script exits 2; accelerate launch reports a failed rank as 1."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(base / "model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    before = {p.name: p.stat().st_mtime_ns for p in (out_dir / "checkpoints").iterdir()}
+    proc = launch([f"out_dir={out_dir}", f"model={base}", *args], check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == code and errors, proc.stderr[-2000:]
+    assert "model.safetensors changed" in errors[0] and "base model" in errors[0], errors
+    assert {p.name: p.stat().st_mtime_ns for p in (out_dir / "checkpoints").iterdir()} == before
+
+
 @pytest.mark.slow
 def test_lightning_zero3_lora_learns_the_task_saves_whole_adapters_and_resumes(tmp_path, pretrained_base):
+    base = shutil.copytree(pretrained_base, tmp_path / "base")  # changed at the end
     out_dir = tmp_path / "run"
-    lightning([f"out_dir={out_dir}", f"model={pretrained_base}", *LEARN])
-    summary = check_run(out_dir, pretrained_base, "lightning")
-    check_gain(out_dir, pretrained_base, summary)
-    check_state_bytes_against_the_planner(pretrained_base, summary)
+    lightning([f"out_dir={out_dir}", f"model={base}", *LEARN])
+    summary = check_run(out_dir, base, "lightning")
+    check_gain(out_dir, base, summary)
+    check_state_bytes_against_the_planner(base, summary)
     resume = [f"max_steps={LEARN_STEPS + 2}", "resume=true"]
-    proc = lightning([f"out_dir={out_dir}", f"model={pretrained_base}", *LEARN, *resume])
+    proc = lightning([f"out_dir={out_dir}", f"model={base}", *LEARN, *resume])
     check_resume(out_dir, proc, LEARN_STEPS)
-    check_run(out_dir, pretrained_base, "lightning")
+    check_run(out_dir, base, "lightning")
+    check_refused_on_a_changed_base(
+        lightning, out_dir, base, [*LEARN, f"max_steps={LEARN_STEPS + 4}", "resume=true"], 2
+    )
 
 
 @pytest.mark.slow
 def test_accelerate_zero3_lora_saves_whole_adapters_and_resumes(tmp_path, base_model):
+    base_model = shutil.copytree(base_model, tmp_path / "base")  # changed at the end
     out_dir = tmp_path / "run"
     accelerate([f"out_dir={out_dir}", f"model={base_model}", *TINY])
     check_run(out_dir, base_model, "accelerate")
@@ -406,3 +429,4 @@ def test_accelerate_zero3_lora_saves_whole_adapters_and_resumes(tmp_path, base_m
     proc = accelerate([f"out_dir={out_dir}", f"model={base_model}", *TINY, "max_steps=6", "resume=true"])
     check_resume(out_dir, proc)
     check_run(out_dir, base_model, "accelerate")
+    check_refused_on_a_changed_base(accelerate, out_dir, base_model, [*TINY, "max_steps=8", "resume=true"], 1)

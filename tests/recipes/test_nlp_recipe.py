@@ -262,14 +262,15 @@ def test_existing_out_dir_is_refused_and_left_untouched(tmp_path, corpus):
 @pytest.fixture(scope="module")
 def lightning_run(tmp_path_factory, corpus):
     out_dir = tmp_path_factory.mktemp("nlp") / "lightning"
-    proc = lightning([f"out_dir={out_dir}", f"data={corpus}", "max_steps=4", *TINY])
+    # async_save: the step-4 checkpoint is written in the background and published before final/ (check_run_dir)
+    proc = lightning([f"out_dir={out_dir}", f"data={corpus}", "max_steps=4", "async_save=true", *TINY])
     return out_dir, proc
 
 
 @pytest.fixture(scope="module")
 def accelerate_run(tmp_path_factory, corpus):
     out_dir = tmp_path_factory.mktemp("nlp") / "accelerate"
-    proc = accelerate([f"out_dir={out_dir}", f"data={corpus}", "max_steps=4", *TINY])
+    proc = accelerate([f"out_dir={out_dir}", f"data={corpus}", "max_steps=4", "async_save=true", *TINY])
     return out_dir, proc
 
 
@@ -278,6 +279,7 @@ def check_run_dir(out_dir: Path, backend: str) -> dict:
         assert (out_dir / name).exists(), name
     assert any((out_dir / "tb").iterdir())
     assert (out_dir / "checkpoints" / "latest").read_text().strip() == "step_000004"
+    assert not list((out_dir / "checkpoints").glob(".tmp-*"))  # nothing left in flight
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (out_dir / "final").iterdir()}
     ds_config = read_json(out_dir / "ds_config.json")
     assert ds_config["zero_optimization"]["stage"] == 3

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from _util import PYTHON, REPO, accelerate_launch, free_port, run, subprocess_env
 
+from common.async_checkpoint import MARKER, WRITE_DELAY_ENV
 from common.checkpoint import latest_checkpoint
 from common.resume import RESUMABLE_KEYS, config_differences, saved_world_size
 from common.rundir import read_metrics
@@ -105,17 +106,18 @@ def alive(process: psutil.Process) -> bool:
         return False
 
 
-def kill_rank_one_at(backend: str, out_dir: Path, step: int, timeout_s: int) -> tuple[int, list[psutil.Process]]:
-    """Start a 2-process run, SIGKILL rank 1 once metrics.jsonl shows ``step``; return (exit code, every process)."""
+def kill_rank_one_at(
+    backend: str, out_dir: Path, step: int, timeout_s: int, ready=None, env: dict | None = None, **overrides
+) -> tuple[int, list[psutil.Process]]:
+    """Start a 2-process run, SIGKILL rank 1 once metrics.jsonl shows ``step`` (and ``ready(out_dir)`` holds).
+
+    Returns (exit code, every process of the run).
+    """
+    values = {"max_steps": 400, "checkpoint_interval": 4, "collective_timeout_s": timeout_s, **overrides}
     popen = subprocess.Popen(
-        [
-            str(a)
-            for a in command(
-                backend, args(out_dir, max_steps=400, checkpoint_interval=4, collective_timeout_s=timeout_s)
-            )
-        ],
+        [str(a) for a in command(backend, args(out_dir, **values))],
         cwd=REPO,
-        env=subprocess_env(),
+        env=subprocess_env(**(env or {})),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -124,7 +126,7 @@ def kill_rank_one_at(backend: str, out_dir: Path, step: int, timeout_s: int) -> 
     launcher = psutil.Process(popen.pid)
     try:
         deadline = time.monotonic() + 300
-        while max(losses(out_dir), default=0) < step:
+        while max(losses(out_dir), default=0) < step or (ready is not None and not ready(out_dir)):
             assert popen.poll() is None and time.monotonic() < deadline, f"run ended or stalled before step {step}"
             time.sleep(0.05)
         processes = [launcher, *launcher.children(recursive=True)]
@@ -145,33 +147,56 @@ def kill_rank_one_at(backend: str, out_dir: Path, step: int, timeout_s: int) -> 
             popen.communicate()
 
 
+def step_8_write_in_flight(out_dir: Path) -> bool:
+    """The asynchronous write of step 8 has begun and rank 1 has not finished it (its marker is not there)."""
+    folder = out_dir / "checkpoints" / ".tmp-step_000008"
+    return folder.is_dir() and not (folder / f"{MARKER}00001").exists()
+
+
 @pytest.mark.slow
-def test_sigkill_of_one_rank_stops_the_run_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
+def test_sigkill_during_an_asynchronous_write_keeps_the_last_checkpoint_and_resume_reproduces_the_losses(tmp_path):
+    """async_save=true, every file write slowed to 3 s: rank 1 is killed while step 8's write is in flight and the
+    training loop has gone past it. latest must still name step 4, and the resumed run equal the reference."""
     reference = tmp_path / "reference"
-    launch("lightning", args(reference, max_steps=16, checkpoint_interval=4))
+    launch("lightning", args(reference, max_steps=16, checkpoint_interval=4))  # synchronous saves
     expected = losses(reference)
     assert sorted(expected) == list(range(1, 17))
 
     for backend in BACKENDS:
         out_dir = tmp_path / f"killed-{backend}"
-        code, processes = kill_rank_one_at(backend, out_dir, step=6, timeout_s=60)
+        code, processes = kill_rank_one_at(
+            backend,
+            out_dir,
+            step=9,  # training went on past the step-8 save while it was being written
+            timeout_s=60,
+            ready=step_8_write_in_flight,
+            env={WRITE_DELAY_ENV: "3"},
+            async_save="true",
+        )
         assert code != 0, backend
         assert not [p.pid for p in processes if alive(p)], backend
-        # latest names a complete checkpoint: both ranks' optimizer shards are in it.
+        # latest names a complete checkpoint: both ranks' optimizer shards are in it; step 8's write never finished.
         latest = latest_checkpoint(out_dir)
-        assert latest is not None and saved_world_size(latest) == 2, backend
-        start = int(latest.name.removeprefix("step_"))
-        assert 4 <= start <= max(losses(out_dir)) and start < 16, backend
-        # What a crash during a save leaves behind: never read, deleted on resume.
-        partial = out_dir / "checkpoints" / f".tmp-step_{start + 4:06d}"
-        partial.mkdir(exist_ok=True)
-        (partial / "half_written.pt").write_bytes(b"\0" * 100)
+        assert latest is not None and latest.name == "step_000004" and saved_world_size(latest) == 2, backend
+        start = 4
+        partial = out_dir / "checkpoints" / ".tmp-step_000008"  # what the kill left: never read, deleted on resume
+        assert partial.is_dir(), backend
+        for step, loss in losses(out_dir).items():  # saving in the background did not change the training
+            if step > 16:
+                break
+            assert loss == pytest.approx(expected[step], rel=1e-6), (backend, step)
 
         logged_before = metrics_lines(out_dir)
-        proc = launch(backend, args(out_dir, max_steps=16, checkpoint_interval=4, resume="true"))
+        # Resumed with asynchronous saves too, and retention: the newest checkpoint and every 8th step, nothing else.
+        resume = args(
+            out_dir, max_steps=16, checkpoint_interval=4, resume="true", async_save="true", keep_last=1, keep_every=8
+        )
+        proc = launch(backend, resume)
         assert f"resuming from {latest} (step {start})" in proc.stdout + proc.stderr, backend
         assert not partial.exists(), backend
         assert latest_checkpoint(out_dir).name == "step_000016", backend
+        kept = sorted(p.name for p in (out_dir / "checkpoints").iterdir())
+        assert kept == ["latest", "step_000008", "step_000016"], (backend, kept)
         resumed = losses_logged_since(out_dir, logged_before)  # only what the resumed process logged
         assert sorted(resumed) == list(range(start + 1, 17)), (backend, sorted(resumed))
         for step in range(start + 1, 17):  # fp32, same data, same seeds: the uninterrupted run's numbers

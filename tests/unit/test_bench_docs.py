@@ -36,6 +36,7 @@ RESULTS_BENCH = {
     "nvme_io.json": "nvme_io.py",
     "offload_time.json": "offload_time.py",
     "science_errors.json": "science_errors.py",
+    "checkpoint.json": "checkpoint.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 

@@ -1,0 +1,296 @@
+"""What a checkpoint save costs the training loop: synchronous vs asynchronous (``async_save``), and how saves scale.
+
+    flock /tmp/zr-heavy.lock python bench/checkpoint.py        # ~215M-parameter Llama, ZeRO-3, 2 processes
+    python bench/checkpoint.py --hidden-size 128 --layers 2 --vocab 512 --processes 1 2 --json /tmp/c.json --no-doc
+    python bench/checkpoint.py --render    # rewrite the docs from bench/results/checkpoint.json, measuring nothing
+
+1. **Stall** (the model of bench/export_memory.py: hidden 1024, 12 layers, vocab 32000, fp32, ZeRO-3 with every
+   parameter partitioned, torch AdamW, 2 CPU processes over gloo): saves through the recipes' own
+   ``common.async_checkpoint`` writers, synchronous and asynchronous interleaved (sync, async, sync, ...), a few
+   training steps between saves. Per save, the time the training loop was blocked, the slowest rank's (the next
+   collective waits for it). ``stall_ratio`` = median blocked per asynchronous save / median synchronous save.
+2. **Throughput**: the same number of steps without saves, with a synchronous save every N steps and with an
+   asynchronous one every N steps, interleaved per repetition; N is chosen from step 1's figures so that a
+   synchronous save costs at least 20 % of the run. Wall time and CPU time of the training thread per step
+   (``time.thread_time``: the background writer's CPU is not in it, and on a machine with fewer free cores than
+   ranks x 2 the writer competes with training for them: the wall-clock ratio shows that).
+3. **Scaling**: synchronous save time for three model sizes on 2 processes, and for 1, 2 and 4 processes on the
+   middle size.
+4. Writes bench/results/checkpoint.json (``write_results``: provenance included) and renders the "checkpoint saves"
+   section of docs/checkpoints.md from that file alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench._bench_util import REPO, launch_group, load_document, publish_sections, spread, write_results  # noqa: E402
+from common.errors import exit_on_user_error  # noqa: E402
+
+RESULTS = HERE / "results" / "checkpoint.json"
+DOCS = {"checkpoint saves": REPO / "docs" / "checkpoints.md"}
+SYNC_SHARE_FLOOR = 0.20  # the throughput run saves often enough that a synchronous save costs at least this
+STALL_BAR, THROUGHPUT_BAR = 0.15, 0.05  # the issue's bars
+SCALING_KEYS = ("num_params", "world_size", "checkpoint_bytes", "hidden_size", "layers", "vocab", "wall_s")
+
+
+# --- one rank (started by torch.distributed.run) --------------------------------------------------------------
+
+
+def train_step(engine, batch) -> None:
+    loss = engine(input_ids=batch, labels=batch).loss
+    engine.backward(loss)
+    engine.step()
+
+
+def slowest(value: float) -> float:
+    """The largest value over the ranks: the next collective waits for the slowest rank."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from bench.export_memory import zero3_llama_engine
+    from common.async_checkpoint import AsyncCheckpointer, Checkpointer
+
+    engine = zero3_llama_engine(args.hidden_size, args.layers, args.vocab)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = torch.randint(0, args.vocab, (1, args.seq_len), generator=torch.Generator().manual_seed(rank))
+    out = Path(args.worker)
+    torch_engine = engine.checkpoint_engine
+    writers = {
+        "sync": Checkpointer(out, rank, world, keep_last=1, keep_every=0, barrier=dist.barrier),
+        "async": AsyncCheckpointer(out, rank, world, keep_last=1, keep_every=0, barrier=dist.barrier),
+    }
+    step = 0
+
+    def save(mode: str) -> float:
+        nonlocal step
+        step += 1  # a folder of its own per save, also for saves with no training between them
+        if mode == "async":
+            writers["async"].install(engine)
+        else:
+            engine.checkpoint_engine = torch_engine
+        writers[mode].save(step, lambda folder: engine.save_checkpoint(str(folder), tag="checkpoint"))
+        return writers[mode].blocked_s[-1]
+
+    def steps(count: int) -> tuple[float, float]:
+        nonlocal step
+        dist.barrier()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        for _ in range(count):
+            train_step(engine, batch)
+            step += 1
+        return time.perf_counter() - wall, time.thread_time() - cpu
+
+    steps(1)  # warm-up: the first step allocates the optimizer states
+    step_wall = [slowest(steps(1)[0]) for _ in range(2)]
+    result: dict = {"num_params": sum(p.ds_numel for p in engine.module.parameters()), "world_size": world}
+    if args.scaling_only:
+        result["sync_save_s"] = [slowest(save("sync")) for _ in range(args.saves)]
+    else:
+        blocked: dict[str, list[float]] = {"sync": [], "async": []}
+        for _ in range(args.saves):
+            for mode in ("sync", "async"):
+                blocked[mode].append(slowest(save(mode)))
+                steps(args.steps_between)
+                writers["async"].finish()  # the next save starts with nothing in flight, whatever the mode
+        result["blocked_s"] = blocked
+        result["snapshot_bytes_per_rank"] = writers["async"].snapshot_bytes
+        result["step_s"] = statistics.median(step_wall)
+        sync_save = statistics.median(blocked["sync"])
+        # A synchronous save every N steps costs save / (N * step + save) of the run: at least SYNC_SHARE_FLOOR.
+        every = max(1, math.floor(sync_save * (1 - SYNC_SHARE_FLOOR) / (SYNC_SHARE_FLOOR * result["step_s"])))
+        result["save_every"] = every
+        runs: dict[str, list[dict]] = {"none": [], "sync": [], "async": []}
+        for _ in range(args.repeats):
+            for mode in ("none", "sync", "async"):
+                writers["async"].finish()
+                dist.barrier()
+                wall, cpu = time.perf_counter(), time.thread_time()
+                for _ in range(args.saves_per_run):
+                    steps(every)
+                    if mode != "none":
+                        save(mode)
+                steps(every)  # the last write overlaps these steps too, as it would in a longer run
+                runs[mode].append(
+                    {
+                        "wall_s_per_step": slowest(time.perf_counter() - wall) / (every * (args.saves_per_run + 1)),
+                        "cpu_s_per_step": slowest(time.thread_time() - cpu) / (every * (args.saves_per_run + 1)),
+                    }
+                )
+        writers["async"].finish()
+        result["throughput_runs"] = runs
+    if rank == 0:
+        result["checkpoint_bytes"] = sum(
+            p.stat().st_size for p in (out / "checkpoints").rglob("*") if p.is_file() and "step_" in str(p.parent)
+        )
+        (out / "result.json").write_text(json.dumps(result))
+    dist.barrier()
+
+
+# --- the driver ---------------------------------------------------------------------------------------------------
+
+
+def run_group(args: argparse.Namespace, work: Path, hidden: int, layers: int, nproc: int, scaling: bool) -> dict:
+    folder = work / f"h{hidden}-l{layers}-p{nproc}-{'scaling' if scaling else 'stall'}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    worker_args = ["--hidden-size", str(hidden), "--layers", str(layers), "--vocab", str(args.vocab)]
+    worker_args += ["--seq-len", str(args.seq_len), "--saves", str(args.saves), "--repeats", str(args.repeats)]
+    worker_args += ["--steps-between", str(args.steps_between), "--saves-per-run", str(args.saves_per_run)]
+    worker_args += ["--worker", str(folder), *(["--scaling-only"] if scaling else [])]
+    start = time.perf_counter()
+    launch_group(Path(__file__), "raw", "checkpoint", worker_args, nproc=nproc, timeout=3600)
+    result = json.loads((folder / "result.json").read_text())
+    result.update(hidden_size=hidden, layers=layers, vocab=args.vocab, wall_s=round(time.perf_counter() - start, 1))
+    shutil.rmtree(folder, ignore_errors=True)
+    print(json.dumps({k: v for k, v in result.items() if k != "throughput_runs"}), flush=True)
+    return result
+
+
+def summarize(stall: dict) -> dict:
+    """The figures the doc states, computed from the raw per-save and per-run numbers."""
+    sync, blocked_async = stall["blocked_s"]["sync"], stall["blocked_s"]["async"]
+    ratios = [a / s for a, s in zip(blocked_async, sync, strict=True)]
+    runs = stall["throughput_runs"]
+    slowdown = {
+        mode: [
+            run["wall_s_per_step"] / base["wall_s_per_step"] for run, base in zip(runs[mode], runs["none"], strict=True)
+        ]
+        for mode in ("sync", "async")
+    }
+    return {
+        "sync_save_s": statistics.median(sync),
+        "async_blocked_s": statistics.median(blocked_async),
+        "stall_ratio": statistics.median(blocked_async) / statistics.median(sync),
+        "stall_ratio_spread": spread(ratios),
+        "slowdown_sync": statistics.median(slowdown["sync"]),
+        "slowdown_sync_spread": spread(slowdown["sync"]),
+        "slowdown_async": statistics.median(slowdown["async"]),
+        "slowdown_async_spread": spread(slowdown["async"]),
+    }
+
+
+def verdict(value: float, upper: float, bar: float) -> str:
+    return f"met ({upper:.3f} <= {bar})" if upper <= bar else f"not met (upper end {upper:.3f} > {bar})"
+
+
+def render_body(results: dict) -> str:
+    stall, figures = results["stall"], results["summary"]
+    runs = stall["throughput_runs"]
+
+    def per_step(mode: str, key: str) -> str:
+        return f"{statistics.median(run[key] for run in runs[mode]):.3f}"
+
+    lines = [
+        f"Model: {stall['num_params'] / 1e6:.0f}M parameters (hidden {stall['hidden_size']}, {stall['layers']} layers, "
+        f"vocab {stall['vocab']}), fp32, ZeRO-3, {stall['world_size']} processes; a checkpoint is "
+        f"{stall['checkpoint_bytes'] / 1e9:.2f} GB; the asynchronous writer held "
+        f"{stall['snapshot_bytes_per_rank'] / 1e9:.2f} GB of snapshot per rank. "
+        f"{len(stall['blocked_s']['sync'])} saves per mode, interleaved; medians with (min-max) over the saves or "
+        "repetitions.",
+        "",
+        "| | synchronous | asynchronous (`async_save=true`) | ratio | bar |",
+        "|---|---|---|---|---|",
+        f"| training blocked per save (s) | {figures['sync_save_s']:.2f} | {figures['async_blocked_s']:.2f} | "
+        f"stall_ratio {figures['stall_ratio']:.3f} ({figures['stall_ratio_spread'][0]:.3f}-"
+        f"{figures['stall_ratio_spread'][1]:.3f}) | <= {STALL_BAR}: "
+        f"{verdict(figures['stall_ratio'], figures['stall_ratio_spread'][1], STALL_BAR)} |",
+        f"| wall s/step, a save every {stall['save_every']} steps (none: {per_step('none', 'wall_s_per_step')}) | "
+        f"{per_step('sync', 'wall_s_per_step')} | {per_step('async', 'wall_s_per_step')} | "
+        f"x{figures['slowdown_sync']:.3f} / x{figures['slowdown_async']:.3f} of no saves "
+        f"(async {figures['slowdown_async_spread'][0]:.3f}-{figures['slowdown_async_spread'][1]:.3f}) | "
+        f"async within {THROUGHPUT_BAR:.0%}: "
+        f"{verdict(figures['slowdown_async'] - 1, figures['slowdown_async_spread'][1] - 1, THROUGHPUT_BAR)}; "
+        f"sync costs {figures['slowdown_sync'] - 1:.0%} (floor {SYNC_SHARE_FLOOR:.0%}) |",
+        f"| training-thread CPU s/step (none: {per_step('none', 'cpu_s_per_step')}) | "
+        f"{per_step('sync', 'cpu_s_per_step')} | {per_step('async', 'cpu_s_per_step')} | | |",
+        "",
+        "Synchronous save time by model size and process count (the same writer, nothing else running):",
+        "",
+        "| parameters | processes | checkpoint GB | save s (median, min-max) | GB/s |",
+        "|---|---|---|---|---|",
+    ]
+    for row in results["scaling"]:
+        low, high = spread(row["sync_save_s"])
+        median = statistics.median(row["sync_save_s"])
+        lines.append(
+            f"| {row['num_params'] / 1e6:.0f}M | {row['world_size']} | {row['checkpoint_bytes'] / 1e9:.2f} | "
+            f"{median:.2f} ({low:.2f}-{high:.2f}) | {row['checkpoint_bytes'] / 1e9 / median:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def render_sections(document: dict) -> dict[str, str]:
+    """Section name -> Markdown body, from a checkpoint.json document alone (no clock, no measurement)."""
+    return {"checkpoint saves": render_body(document["results"])}
+
+
+@exit_on_user_error(FileNotFoundError, ValueError)
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--saves", type=int, default=4, help="saves per mode in the stall measurement")
+    parser.add_argument("--steps-between", type=int, default=3, help="training steps after each stall save")
+    parser.add_argument("--repeats", type=int, default=2, help="repetitions of the throughput runs")
+    parser.add_argument("--saves-per-run", type=int, default=2, help="saves in each throughput run")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="process counts for scaling")
+    parser.add_argument("--smaller-sizes", type=int, choices=(0, 1, 2), default=2, help="smaller models for scaling")
+    parser.add_argument("--work-dir", default=None, help="where checkpoints are written (default: a temp folder)")
+    parser.add_argument("--json", type=Path, default=RESULTS, help="results file (default %(default)s)")
+    parser.add_argument("--no-doc", action="store_true", help="do not write the docs")
+    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one rank
+    parser.add_argument("--scaling-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.render:
+        document = load_document(args.json)
+        publish_sections(render_sections(document), document["provenance"], DOCS)
+        return
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-checkpoint-bench-"))
+    hidden, layers = args.hidden_size, args.layers
+    stall = run_group(args, work, hidden, layers, 2, scaling=False)
+    # The stall model's synchronous saves are its own scaling row; smaller ones have a quarter and half the width.
+    smaller = [(max(64, hidden // 4), max(1, layers // 3)), (max(64, hidden // 2), max(1, layers // 2))]
+    smaller = smaller[2 - args.smaller_sizes :]
+    scaling = [run_group(args, work, h, n, 2, scaling=True) for h, n in smaller]
+    scaling.append({**{k: v for k, v in stall.items() if k in SCALING_KEYS}, "sync_save_s": stall["blocked_s"]["sync"]})
+    middle = smaller[-1] if smaller else (hidden, layers)
+    scaling += [run_group(args, work, *middle, p, scaling=True) for p in args.processes if p != 2]
+    results = {"stall": stall, "summary": summarize(stall), "scaling": scaling}
+    document = write_results(args.json, results)
+    print(render_body(results))
+    if not args.no_doc:
+        publish_sections(render_sections(document), document["provenance"], DOCS)
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

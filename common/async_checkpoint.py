@@ -1,0 +1,273 @@
+"""Asynchronous checkpoints: training waits only while the state is copied to host memory, never for the disk.
+
+A synchronous DeepSpeed save stops every rank for the whole write (guide 2, 8; DeepSpeed#1997: 427 s for one save).
+:class:`AsyncCheckpointer` splits it in two:
+
+* **snapshot** (the training loop waits): DeepSpeed's ``save_checkpoint`` runs as usual, but every file it hands to
+  its checkpoint engine goes to :class:`SnapshotCheckpointEngine`, whose ``save`` deep-copies the state's tensors to
+  host memory and queues them. ZeRO's optimizer ``state_dict()`` returns the live fp32 partitions, which the next
+  optimizer step overwrites in place, so the copy is what makes the write safe to defer.
+* **write** (a background thread per rank, while training goes on): ``torch.save`` of each snapshot, then ``fsync``
+  of every file in the rank's checkpoint folder, then a marker ``.written-rank<K>``. Rank 0's thread waits until
+  every rank's marker is there and only then publishes (``publish_checkpoint``: rename into place, move ``latest``,
+  retention). A crash at any point leaves ``latest`` naming the previous complete checkpoint.
+
+At most one save is in flight per rank: a save waits for the previous one to be written and published first (never
+two writers on one folder), so host memory for snapshots is bounded by one checkpoint's share of the rank
+(:attr:`AsyncCheckpointer.snapshot_bytes` reports it). Errors in the thread (disk full) are raised in the training
+loop at the next save or at :meth:`AsyncCheckpointer.finish`.
+
+Why not what DeepSpeed ships (0.19): its ``DecoupledCheckpointEngine`` writes in a subprocess but commits at the
+next optimizer step's boundary, so a write longer than one forward and backward stalls the next step for the rest of
+it; ``FastCheckpointEngine`` writes faster but synchronously. DataStates is not installed here.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+
+MARKER = ".written-rank"
+WRITE_DELAY_ENV = "ZERO_RECIPES_TEST_CHECKPOINT_WRITE_DELAY_S"
+PUBLISH_POLL_S = 0.05
+
+
+def snapshot(state: Any) -> tuple[Any, int]:
+    """A deep copy of ``state`` with every tensor copied to host memory; and the bytes those copies hold.
+
+    Views are copied as themselves (``clone`` of a view is compact), so a partition of a flat buffer does not drag
+    the whole buffer along, which is also what DeepSpeed's ``clone_tensors_for_torch_save`` does before a save.
+    """
+    if isinstance(state, torch.Tensor):
+        host = state.detach().to("cpu", copy=True)
+        return host, host.numel() * host.element_size()
+    if isinstance(state, dict):
+        out, total = copy.copy(state), 0  # a shallow copy keeps the mapping's type (OrderedDict, defaultdict)
+        for key, value in state.items():
+            out[key], nbytes = snapshot(value)
+            total += nbytes
+        return out, total
+    if isinstance(state, list | tuple):
+        items = [snapshot(value) for value in state]
+        copies, total = [c for c, _ in items], sum(n for _, n in items)
+        if isinstance(state, list):
+            return copies, total
+        return (type(state)(*copies) if hasattr(state, "_fields") else type(state)(copies)), total
+    return state, 0
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush every file under ``folder`` and the folders themselves to disk."""
+    for path in sorted(folder.rglob("*"), reverse=True):
+        _fsync(path)
+    _fsync(folder)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SnapshotCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's checkpoint engine with ``save`` = snapshot now, write later (in :class:`AsyncCheckpointer`)."""
+
+    def __init__(self, checkpointer: AsyncCheckpointer, replaced: TorchCheckpointEngine) -> None:
+        super().__init__(None)
+        self.name = "SnapshotCheckpointEngine"
+        self.checkpointer = checkpointer
+        self.zipfile_serialization = getattr(replaced, "zipfile_serialization", True)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.checkpointer.enqueue_file(state_dict, path, self.zipfile_serialization)
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # snapshot() copies every tensor compactly already: DeepSpeed's own clone would be a second copy
+
+
+class Checkpointer:
+    """The synchronous save: every rank writes, a barrier, rank 0 publishes, a barrier; the loop waits for the disk.
+
+    :class:`AsyncCheckpointer` has the same interface; a recipe builds either with :func:`make_checkpointer`.
+
+    Args:
+        out_dir: the run directory.
+        rank: this process's global rank.
+        world_size: processes that write a share of each checkpoint.
+        keep_last, keep_every: retention, applied by rank 0 when it publishes.
+        barrier: the backend's barrier (``strategy.barrier``, ``accelerator.wait_for_everyone``).
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        rank: int,
+        world_size: int,
+        keep_last: int,
+        keep_every: int,
+        barrier: Callable[[], None],
+    ) -> None:
+        self.out_dir, self.rank, self.world_size = Path(out_dir), rank, world_size
+        self.keep_last, self.keep_every, self.barrier = keep_last, keep_every, barrier
+        self.snapshot_bytes = 0  # host memory held for snapshots (none when synchronous)
+        self.blocked_s: list[float] = []  # per save: how long the training loop waited
+
+    def install(self, engine: Any) -> None:
+        """Nothing to route: DeepSpeed's own checkpoint engine writes synchronously."""
+
+    def save(self, step: int, write: Callable[[Path], None]) -> None:
+        """Every rank: the backend's save into the temporary folder, then rank 0 publishes it.
+
+        Args:
+            step: the optimizer step being saved.
+            write: the backend's save call, given the folder (``trainer.save_checkpoint``,
+                ``accelerator.save_state``).
+        """
+        start = time.perf_counter()
+        write(tmp_checkpoint_dir(self.out_dir, step))
+        self.barrier()
+        if self.rank == 0:
+            publish_checkpoint(self.out_dir, step, self.keep_last, self.keep_every)
+        self.barrier()
+        self.blocked_s.append(time.perf_counter() - start)
+
+    def finish(self) -> None:
+        """Every rank, at the end of training (nothing is in flight)."""
+
+
+def make_checkpointer(
+    asynchronous: bool,
+    out_dir: str | Path,
+    rank: int,
+    world_size: int,
+    keep_last: int,
+    keep_every: int,
+    barrier: Callable[[], None],
+    publish_timeout_s: float = 900.0,
+) -> Checkpointer:
+    """The recipe's ``async_save`` key picks the writer; both publish through ``publish_checkpoint``."""
+    if asynchronous:
+        return AsyncCheckpointer(out_dir, rank, world_size, keep_last, keep_every, barrier, publish_timeout_s)
+    return Checkpointer(out_dir, rank, world_size, keep_last, keep_every, barrier)
+
+
+class AsyncCheckpointer(Checkpointer):
+    """One rank's background writer; see the module docstring for the protocol.
+
+    Args: those of :class:`Checkpointer` (the barrier is not used: no rank waits for another to save), and
+        publish_timeout_s: rank 0 gives up waiting for the other ranks' markers after this long (a rank died).
+
+    ``snapshot_bytes`` is the largest snapshot held at once (the host memory saving costs this rank);
+    ``written_s`` the time from snapshot to marker of each save, in the background.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        rank: int,
+        world_size: int,
+        keep_last: int,
+        keep_every: int,
+        barrier: Callable[[], None],
+        publish_timeout_s: float = 900.0,
+    ) -> None:
+        super().__init__(out_dir, rank, world_size, keep_last, keep_every, barrier)
+        self.publish_timeout_s = publish_timeout_s
+        self.written_s: list[float] = []
+        # Tests only: slow every file write down, so that a test can kill a rank while a write is in flight.
+        self._write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0"))
+        self._pending_bytes = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-{rank}", daemon=True)
+        self._thread.start()
+
+    def install(self, engine: Any) -> None:
+        """Route a DeepSpeed engine's checkpoint files through this writer (after ``deepspeed.initialize``)."""
+        engine.checkpoint_engine = SnapshotCheckpointEngine(self, engine.checkpoint_engine)
+
+    def save(self, step: int, write: Callable[[Path], None]) -> None:
+        """Wait for the previous save, then run the backend's save into the temporary folder; returns once snapshotted.
+
+        Args:
+            step: the optimizer step being saved.
+            write: the backend's save call, given the folder (``trainer.save_checkpoint`` or
+                ``accelerator.save_state``); every rank calls it, as a synchronous save would.
+        """
+        start = time.perf_counter()
+        self.wait()
+        self._pending_bytes = 0
+        folder = tmp_checkpoint_dir(self.out_dir, step)
+        write(folder)
+        self.snapshot_bytes = max(self.snapshot_bytes, self._pending_bytes)
+        self._queue.put(("done", step, folder, time.perf_counter()))
+        self.blocked_s.append(time.perf_counter() - start)
+
+    def enqueue_file(self, state: Any, path: str, zipfile_serialization: bool) -> None:
+        copy, nbytes = snapshot(state)
+        self._pending_bytes += nbytes
+        self._queue.put(("file", copy, path, zipfile_serialization))
+
+    def wait(self) -> None:
+        """Block until every queued write (and rank 0's publish) is done; raise what the writer raised."""
+        self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the background checkpoint write failed: {error}") from error
+
+    def finish(self) -> None:
+        """Every rank, at the end of training: wait for the last write (and, on rank 0, its publish)."""
+        self.wait()
+
+    # --- the writer thread ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if self._error is None:  # after a failure, drain without writing: the folder is never published
+                    self._handle(item)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the training loop by wait()
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _handle(self, item: tuple) -> None:
+        if item[0] == "file":
+            _, state, path, zipfile_serialization = item
+            time.sleep(self._write_delay_s)
+            torch.save(state, path, _use_new_zipfile_serialization=zipfile_serialization)
+            return
+        _, step, folder, snapshotted_at = item
+        fsync_tree(folder)
+        marker = folder / f"{MARKER}{self.rank:05d}"
+        marker.touch()
+        _fsync(marker)  # the folder's entry for it is flushed by rank 0, which may rename the folder from now on
+        if self.rank == 0:
+            self._publish_when_all_written(step, folder)
+        self.written_s.append(time.perf_counter() - snapshotted_at)
+
+    def _publish_when_all_written(self, step: int, folder: Path) -> None:
+        deadline = time.monotonic() + self.publish_timeout_s
+        while len(list(folder.glob(f"{MARKER}*"))) < self.world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{folder}: only {len(list(folder.glob(f'{MARKER}*')))} of {self.world_size} ranks finished "
+                    f"writing after {self.publish_timeout_s:.0f} s; not published"
+                )
+            time.sleep(PUBLISH_POLL_S)
+        _fsync(folder)  # every rank's marker entry on disk before the rename
+        publish_checkpoint(self.out_dir, step, self.keep_last, self.keep_every)

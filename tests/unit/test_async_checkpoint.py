@@ -1,0 +1,123 @@
+"""The asynchronous checkpoint writer: snapshot semantics and the publish protocol, in one process.
+
+Two AsyncCheckpointers with ranks 0 and 1 share a run directory, as two processes would (the protocol between
+ranks is files: one marker per rank, rank 0 publishes). DeepSpeed's side is its checkpoint-engine call,
+``SnapshotCheckpointEngine.save(state, path)``; the 2-process runs through both backends, including a SIGKILL
+during an in-flight write, are in tests/recipes/test_resume.py.
+
+A write is held in flight deterministically by a state object whose pickling waits on an event (no sleeps).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.async_checkpoint import AsyncCheckpointer, Checkpointer, SnapshotCheckpointEngine, snapshot
+from common.checkpoint import latest_checkpoint
+
+
+class Gate:
+    """Pickling this blocks until ``open`` is set: the background write is in flight until then."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def __reduce__(self):
+        assert self.open.wait(60), "gate never opened"
+        return (collections.OrderedDict, ())  # loads with weights_only=True
+
+
+def no_barrier() -> None:
+    pass
+
+
+def pair(out_dir: Path) -> list[AsyncCheckpointer]:
+    return [AsyncCheckpointer(out_dir, rank, 2, keep_last=2, keep_every=0, barrier=no_barrier) for rank in (0, 1)]
+
+
+def writer(checkpointer, state: dict):
+    """What DeepSpeed's save_checkpoint does on one rank: one file per rank through its checkpoint engine."""
+    engine = SnapshotCheckpointEngine(checkpointer, replaced=None)
+
+    def write(folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        engine.save(state, str(folder / f"rank{checkpointer.rank}_states.pt"))
+
+    return write
+
+
+def test_snapshot_copies_every_tensor_compactly_and_keeps_container_types():
+    flat = torch.arange(1000, dtype=torch.float32)
+    Pair = collections.namedtuple("Pair", "a b")
+    state = {"partition": flat[10:20], "steps": collections.defaultdict(int, {"x": 3}), "pair": Pair(flat[:2], 7)}
+    copy, nbytes = snapshot(state)
+    flat.add_(1.0)  # the next optimizer step, in place
+    assert copy["partition"].tolist() == list(map(float, range(10, 20)))
+    assert copy["partition"].untyped_storage().nbytes() == 10 * 4  # not the whole 1000-element buffer
+    assert isinstance(copy["steps"], collections.defaultdict) and copy["steps"]["missing"] == 0
+    assert isinstance(copy["pair"], Pair) and copy["pair"].b == 7 and copy["pair"].a.tolist() == [0.0, 1.0]
+    assert nbytes == (10 + 2) * 4
+
+
+def test_latest_moves_only_after_every_rank_wrote_and_holds_the_state_at_snapshot_time(tmp_path):
+    rank0, rank1 = pair(tmp_path)
+    weights = [torch.zeros(4), torch.ones(4)]
+    gate = Gate()
+    rank0.save(4, writer(rank0, {"w": weights[0]}))
+    rank1.save(4, writer(rank1, {"w": weights[1], "gate": gate}))  # returns with rank 1's write in flight
+    for w in weights:
+        w.add_(5.0)  # training goes on and changes the live tensors
+    assert latest_checkpoint(tmp_path) is None  # rank 1 has not finished: nothing published
+    gate.open.set()
+    rank1.finish()
+    rank0.finish()
+    latest = latest_checkpoint(tmp_path)
+    assert latest is not None and latest.name == "step_000004"
+    for rank, expected in ((0, 0.0), (1, 1.0)):
+        state = torch.load(latest / f"rank{rank}_states.pt", weights_only=True)
+        assert state["w"].tolist() == [expected] * 4
+    assert sorted(p.name for p in latest.glob(".written-rank*")) == [".written-rank00000", ".written-rank00001"]
+    assert rank0.snapshot_bytes == 16 and len(rank0.blocked_s) == 1
+
+
+def test_a_second_save_waits_for_the_first_to_be_published(tmp_path):
+    rank0, rank1 = pair(tmp_path)
+    gate = Gate()
+    rank1.save(4, writer(rank1, {"w": torch.ones(2)}))
+    rank0.save(4, writer(rank0, {"w": torch.ones(2), "gate": gate}))
+    second = threading.Thread(target=rank0.save, args=(8, writer(rank0, {"w": torch.zeros(2)})))
+    second.start()
+    second.join(timeout=1.0)
+    assert second.is_alive()  # still waiting: the step-4 write holds the only slot
+    assert not (tmp_path / "checkpoints" / ".tmp-step_000008").exists()  # no second writer on the folder
+    gate.open.set()
+    second.join(timeout=60)
+    assert not second.is_alive()
+    rank1.save(8, writer(rank1, {"w": torch.zeros(2)}))
+    rank0.finish()
+    assert latest_checkpoint(tmp_path).name == "step_000008"
+
+
+def test_a_failed_write_is_raised_in_the_training_loop_and_never_published(tmp_path):
+    rank0, rank1 = pair(tmp_path)
+    rank1.save(4, writer(rank1, {"w": torch.ones(2)}))
+    rank0.save(4, writer(rank0, {"unpicklable": lambda: None}))
+    with pytest.raises(RuntimeError, match="background checkpoint write failed"):
+        rank0.finish()
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_the_synchronous_checkpointer_publishes_before_save_returns(tmp_path):
+    sync = Checkpointer(tmp_path, 0, 1, keep_last=1, keep_every=0, barrier=no_barrier)
+
+    def write(folder: Path) -> None:
+        folder.mkdir(parents=True)
+        torch.save({"w": torch.ones(1)}, folder / "states.pt")
+
+    sync.save(2, write)
+    assert latest_checkpoint(tmp_path).name == "step_000002" and sync.snapshot_bytes == 0
