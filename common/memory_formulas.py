@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,9 @@ class ModelFacts:
         param_numels: each parameter's element count (shared ones once), for the stage-3 persistence
             threshold; empty when unknown (no parameter is then counted as persistent).
         source: where the facts come from, in words (shown in the output).
+        num_experts: routed experts per MoE layer (a Hugging Face config's ``num_local_experts`` / ``num_experts``);
+            None for a dense model.
+        expert_params: parameters of the routed experts, every layer and expert (in ``num_params``); 0 when dense.
     """
 
     num_params: int
@@ -83,6 +86,8 @@ class ModelFacts:
     block: str = "gpt"
     param_numels: tuple[int, ...] = ()
     source: str = "--params"
+    num_experts: int | None = None
+    expert_params: int = 0
 
 
 # --- parsing ------------------------------------------------------------------------------------------
@@ -191,6 +196,16 @@ def param_numels(model: Any) -> tuple[int, ...]:
     return tuple({id(p): p.numel() for p in model.parameters()}.values())
 
 
+def expert_numel(model: Any) -> int:
+    """Parameters of routed experts: those under a module named ``experts`` (Mixtral's ``mlp.experts``, Qwen-MoE's
+    ``mlp.experts``; a shared expert, ``shared_expert``, is dense), shared parameters once."""
+    seen: dict[int, int] = {}
+    for name, param in model.named_parameters():
+        if "experts" in name.split("."):
+            seen[id(param)] = param.numel()
+    return sum(seen.values())
+
+
 def persistent_params(facts: ModelFacts, threshold: int) -> int:
     """Parameters stage 3 keeps whole on every rank: those of at most ``threshold`` elements (DeepSpeed's rule)."""
     return sum(n for n in facts.param_numels if n <= threshold)
@@ -220,6 +235,8 @@ def facts_from_model_config(config: Any, source: str) -> ModelFacts:
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
     llama_like = config.model_type in LLAMA_LIKE and getattr(config, "intermediate_size", None)
+    # Mixtral names it num_local_experts, Qwen-MoE and OLMoE num_experts.
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     return ModelFacts(
         num_params=total,
         largest_layer_params=largest,
@@ -234,6 +251,8 @@ def facts_from_model_config(config: Any, source: str) -> ModelFacts:
         block="llama" if llama_like else "gpt",
         param_numels=param_numels(model),
         source=f"{source} ({config.model_type}, counted on the meta device)",
+        num_experts=int(experts) if experts else None,
+        expert_params=expert_numel(model) if experts else 0,
     )
 
 
@@ -265,6 +284,158 @@ def lora_params(facts: ModelFacts, rank: int) -> int:
     inter = facts.intermediate_size or int(8 * h / 3)
     per_layer = 4 * rank * (h + h) + 3 * rank * (h + inter)
     return facts.num_layers * per_layer
+
+
+# --- tensor, pipeline and expert parallelism (issue 18) -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the ranks split the model: world = tensor x pipeline x data parallel, experts over expert-parallel groups.
+
+    The layout of DeepSpeed and Megatron: the TP x PP ranks of a replica each hold a different slice of the model,
+    and ZeRO partitions a slice's model states over the DP = world / (TP x PP) ranks that hold the same slice. MoE
+    experts are split over EP of those DP ranks, and each expert is data-parallel over the other DP / EP: DeepSpeed's
+    "expert data parallel" group (``deepspeed.utils.groups._create_expert_data_and_model_parallel``; world / EP
+    without TP or PP), over which ZeRO partitions the experts' states.
+
+    Attributes:
+        world_size: ranks in total (devices per node x nodes).
+        tensor: TP, ranks splitting each matrix (Megatron-style tensor parallelism, DeepSpeed's AutoTP).
+        pipeline: PP, pipeline stages (``deepspeed.pipe.PipelineModule``), each holding L / PP blocks.
+        expert: EP, ranks splitting the routed experts of each MoE layer.
+    """
+
+    world_size: int
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+
+    @property
+    def data_parallel(self) -> int:
+        """DP = world / (TP x PP): the ranks ZeRO partitions the dense states over."""
+        return self.world_size // (self.tensor * self.pipeline)
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """DP / EP: the ranks ZeRO partitions an expert's states over."""
+        return self.data_parallel // self.expert
+
+    @property
+    def trivial(self) -> bool:
+        """Pure data parallelism: the guide's formulas apply as they are."""
+        return self.tensor == self.pipeline == self.expert == 1
+
+
+def _assumed_hint(facts: ModelFacts) -> str:
+    return (
+        " (the shape is assumed from --params: pass --model-config for the real one)"
+        if facts.source.startswith("--params")
+        else ""
+    )
+
+
+def check_layout(facts: ModelFacts, layout: ParallelLayout) -> None:
+    """Refuse a layout DeepSpeed or Megatron cannot build, with what to change.
+
+    Raises:
+        ConfigError: the ranks do not split into TP x PP x DP, the layers into PP stages, the heads over TP ranks,
+            the experts over EP ranks, or DP over EP (DeepSpeed's ``_ensure_divisibility(dp_world_size,
+            expert_parallel_size_)``); or expert parallelism on a model without experts.
+    """
+    t, p, e, world = layout.tensor, layout.pipeline, layout.expert, layout.world_size
+    for flag, value in (("--tensor-parallel", t), ("--pipeline-parallel", p), ("--expert-parallel", e)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    hint = _assumed_hint(facts)
+    if world % (t * p):
+        raise ConfigError(
+            f"{world} ranks do not split into tensor {t} x pipeline {p} = {t * p} ranks per replica: the data-parallel "
+            "degree world / (TP x PP) must be whole; change --gpus/--nodes or the parallel sizes"
+        )
+    if p > 1 and not facts.num_layers:
+        raise ConfigError("--pipeline-parallel needs the model's layer count: pass --model-config or --params")
+    if p > 1 and facts.num_layers % p:
+        raise ConfigError(
+            f"{facts.num_layers} layers do not split into {p} pipeline stages of equal depth{hint}: "
+            f"choose --pipeline-parallel dividing {facts.num_layers}"
+        )
+    if t > 1 and not facts.num_heads:
+        raise ConfigError("--tensor-parallel needs the model's attention heads: pass --model-config or --params")
+    if t > 1 and facts.num_heads % t:
+        raise ConfigError(
+            f"{facts.num_heads} attention heads do not split over {t} tensor-parallel ranks{hint}: "
+            f"choose --tensor-parallel dividing {facts.num_heads}"
+        )
+    if e > 1 and not facts.num_experts:
+        raise ConfigError(
+            f"--expert-parallel {e} on a model without experts ({facts.source}): expert parallelism splits MoE "
+            "experts; pass a MoE config (num_local_experts / num_experts in its config.json) or drop the flag"
+        )
+    if e > 1 and facts.num_experts % e:
+        raise ConfigError(
+            f"{facts.num_experts} experts do not split over {e} expert-parallel ranks: "
+            f"choose --expert-parallel dividing {facts.num_experts}"
+        )
+    if e > 1 and layout.data_parallel % e:
+        raise ConfigError(
+            f"--expert-parallel {e} does not divide the data-parallel degree {layout.data_parallel} "
+            f"(= {world} ranks / (TP {t} x PP {p})): DeepSpeed places expert-parallel groups inside the data-parallel "
+            "ranks; choose EP dividing it"
+        )
+
+
+def rank_params(facts: ModelFacts, layout: ParallelLayout) -> tuple[float, float]:
+    """(dense, expert) parameters one rank holds: dense / (TP x PP) and experts / (EP x PP).
+
+    Even splits, the usual planning approximation: the dense part is divided by TP (the few norm weights that TP
+    replicates are counted as split) and by PP (the first and last stages also hold the embedding and the output
+    layer). Experts are divided by EP and by PP, since a stage holds only its own layers' experts; TP does not
+    divide them (DeepSpeed MoE's default; Megatron-DeepSpeed's ``--enable-expert-tensor-parallelism`` would).
+    """
+    dense = facts.num_params - facts.expert_params
+    return dense / (layout.tensor * layout.pipeline), facts.expert_params / (layout.expert * layout.pipeline)
+
+
+def rank_partition(facts: ModelFacts, layout: ParallelLayout) -> int:
+    """Elements of one rank's ZeRO partition: its dense parameters over DP plus its experts over DP / EP."""
+    dense, experts = rank_params(facts, layout)
+    return math.ceil(dense / layout.data_parallel) + math.ceil(experts / layout.expert_data_parallel)
+
+
+def parallel_model_states(
+    facts: ModelFacts,
+    stage: int,
+    offload: str,
+    layout: ParallelLayout,
+    precision: str = "bf16",
+    lora_rank: int | None = None,
+    persistence_threshold: int = 0,
+    grads_alive: bool = True,
+) -> tuple[float, float]:
+    """(device bytes, host bytes) of model states per rank: :func:`guide_model_states` on the rank's slice.
+
+    The guide's formula with K = the rank's dense parameters (:func:`rank_params`) and N = DP, plus the same formula
+    for its experts with N = DP / EP (DeepSpeed's expert data-parallel group). Stage-3 persistent parameters (norm
+    weights: replicated over TP, split over PP) add their whole copies divided by PP. Pure data parallelism is
+    :func:`guide_model_states` itself.
+    """
+    if layout.trivial:
+        return guide_model_states(
+            facts, stage, offload, layout.world_size, precision, lora_rank, persistence_threshold, grads_alive
+        )
+    if lora_rank:
+        raise ConfigError("--lora-rank with tensor, pipeline or expert parallelism is not estimated: drop one of them")
+    dense, experts = rank_params(facts, layout)
+    parts = predicted_model_state_bytes(dense, stage, layout.data_parallel, precision, grads_alive=grads_alive)
+    if experts:
+        moe = predicted_model_state_bytes(
+            experts, stage, layout.expert_data_parallel, precision, grads_alive=grads_alive
+        )
+        parts = {key: parts[key] + moe[key] for key in parts}
+    sharded = stage == 3 and layout.data_parallel > 1
+    persistent = persistent_params(facts, persistence_threshold) / layout.pipeline
+    return _place_states(parts, WORKING_BYTES[precision] * persistent if sharded else 0.0, offload)
 
 
 # --- the terms ----------------------------------------------------------------------------------------
@@ -300,6 +471,11 @@ def guide_model_states(
     # On one rank the partition is the whole parameter: no second copy (measured: bench/memory.py).
     sharded = stage == 3 and world_size > 1
     whole_copies = WORKING_BYTES[precision] * persistent_params(facts, persistence_threshold) if sharded else 0
+    return _place_states(parts, whole_copies, offload)
+
+
+def _place_states(parts: dict[str, float], whole_copies: float, offload: str) -> tuple[float, float]:
+    """(device bytes, host bytes): offload moves the optimizer states off the device, ``params`` the rest too."""
     device, host = parts["params"] + parts["grads"] + parts["optimizer"] + whole_copies, 0.0
     if offload in ("optimizer", "params", "nvme"):  # nvme: the off-device bytes are on disk, not in host RAM
         device -= parts["optimizer"]
@@ -416,7 +592,12 @@ class ActivationParts:
 
 
 def activation_parts(
-    facts: ModelFacts, seq_len: int, micro_batch_size: int, precision: str = "bf16", attention: str = "sdpa"
+    facts: ModelFacts,
+    seq_len: int,
+    micro_batch_size: int,
+    precision: str = "bf16",
+    attention: str = "sdpa",
+    tensor_parallel: int = 1,
 ) -> ActivationParts | None:
     """The saved-for-backward bytes of a transformer's pieces, or None if the facts are not a transformer's.
 
@@ -429,6 +610,13 @@ def activation_parts(
     keeps gate, up, activation and product (4 x P i). Rotary embedding multiplies by constant tables,
     which autograd saves once for all blocks. Other transformers: Korthikanti et al. 2022, eq. 1,
     ``s*b*h*(34 + 5*a*s/h)`` in 16-bit, with the score term only for eager (a float32 log-sum-exp else).
+
+    ``tensor_parallel`` t > 1 (Megatron-style, without sequence parallelism): each rank keeps 1/t of what lives
+    per head or per MLP column and all of what lives per token of width h (the norms, the block input). For other
+    transformers that is Korthikanti et al.'s eq. 2, ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``: of the 34, the norms'
+    inputs (4), the attention and MLP inputs (2 + 2) and the two dropout masks (1 + 1) stay whole. The output
+    layer is vocabulary-parallel (Megatron; AutoTP's ``vocab_parallel_lm_head``): its logits are split by t too.
+    A model of that split, not checked against autograd (one rank of a TP group is not run here).
     """
     if facts.architecture != "transformer" or not (facts.hidden_size and facts.num_layers and facts.num_heads):
         return None
@@ -439,25 +627,30 @@ def activation_parts(
     tokens, b, s = seq_len * micro_batch_size, micro_batch_size, seq_len
     h, a = facts.hidden_size, facts.num_heads
     vocab = facts.vocab_size or 0
+    t = tensor_parallel
     scores = a * s * tokens  # a x s x s per sample
     lse = FP32 * a * tokens
     ids = 2 * INDEX_BYTES * tokens  # input ids (embedding) and shifted labels (loss)
     if facts.block != "llama":
         scale = p / 2  # the paper's counts are 16-bit
-        attention_part = (5 * scores if eager else lse) * scale + 11 * tokens * h * scale  # QKV, scores, dropout
-        layer = 34 * tokens * h * scale + (5 * scores * scale if eager else lse)
-        head = FP32 * tokens * vocab + 2 * tokens * h * scale + ids
-        return ActivationParts(layer, attention_part, p * tokens * h, head, after_attention=21 * tokens * h * scale)
+        # Attention's 11 s b h: QKV input and output dropout mask (3, whole); q, k, v, projection input (8 / t).
+        attention_part = (5 * scores if eager else lse) * scale / t + (3 + 8 / t) * tokens * h * scale
+        layer = (10 + 24 / t) * tokens * h * scale + (5 * scores * scale if eager else lse) / t
+        head = FP32 * tokens * vocab / t + 2 * tokens * h * scale + ids
+        # After attention: second norm (2) + MLP input and dropout mask (3) + the two 4h-wide tensors (16 / t).
+        after = (5 + 16 / t) * tokens * h * scale
+        return ActivationParts(layer, attention_part, p * tokens * h, head, after_attention=after)
     h_kv = (facts.num_kv_heads or a) * (facts.head_dim or h // a)
     inter = facts.intermediate_size or int(8 * h / 3)
     norm = (FP32 + 2 * p) * tokens * h + FP32 * tokens
+    # Everything attention and the MLP save lives per head or per MLP column: tensor parallelism splits it all.
     if eager:
         softmax = FP32 + (p if p != FP32 else 0)
-        attention_part = 4 * p * tokens * h + softmax * scores
+        attention_part = (4 * p * tokens * h + softmax * scores) / t
     else:
-        attention_part = 2 * p * tokens * h + 2 * p * tokens * h_kv + lse
-    mlp = 4 * p * tokens * inter
-    head = norm + FP32 * tokens * vocab + ids
+        attention_part = (2 * p * tokens * h + 2 * p * tokens * h_kv + lse) / t
+    mlp = 4 * p * tokens * inter / t
+    head = norm + FP32 * tokens * vocab / t + ids
     rope = 2 * p * s * (facts.head_dim or h // a)
     mask = p * b * s * s if eager else 0.0
     block_input = p * tokens * h
@@ -482,6 +675,17 @@ def checkpointed_blocks(checkpointing: str, num_layers: int) -> list[bool]:
     return [name in chosen for name, _ in blocks]
 
 
+def _saved_after_forward(parts: ActivationParts, num_layers: int, checkpointing: str) -> float:
+    """Bytes one micro-batch keeps saved through ``num_layers`` blocks between its forward and backward passes,
+    the output layer's (``head``) excluded."""
+    if checkpointing == "selective":
+        return num_layers * (parts.layer - parts.attention) + parts.mask
+    wrapped = checkpointed_blocks(checkpointing, num_layers)
+    kept = [parts.block_input if w else parts.layer for w in wrapped]
+    shared = (parts.rope if not all(wrapped) else 0.0) + (parts.mask if any(wrapped) else 0.0)
+    return sum(kept) + shared
+
+
 def transformer_activations(
     facts: ModelFacts,
     seq_len: int,
@@ -489,38 +693,79 @@ def transformer_activations(
     checkpointing: str = "none",
     precision: str = "bf16",
     attention: str = "sdpa",
+    tensor_parallel: int = 1,
+    with_head: bool = True,
 ) -> float | None:
-    """Peak bytes saved for backward per rank (no tensor or sequence parallelism), or None if not a transformer.
+    """Peak bytes saved for backward per rank (no sequence parallelism), or None if not a transformer.
 
     Without recomputation every block keeps :func:`activation_parts`' ``layer``. A checkpointed block
     keeps its input, and during the backward pass the last checkpointed block is recomputed whole while
     everything saved before it is still alive: the peak is the larger of the end of the forward pass
     (with the loss's log-probabilities) and that moment (the loss's saved tensors are freed by then).
     ``selective`` recomputes only attention. Which blocks a preset wraps comes from common.activation.
+    ``tensor_parallel`` splits each block's tensors (:func:`activation_parts`); ``with_head=False`` leaves out the
+    output layer and loss (a pipeline stage other than the last).
     """
     from common.activation import check_preset
 
     check_preset(checkpointing)
-    parts = activation_parts(facts, seq_len, micro_batch_size, precision, attention)
+    parts = activation_parts(facts, seq_len, micro_batch_size, precision, attention, tensor_parallel)
     if parts is None:
         return None
+    if not with_head:
+        parts = replace(parts, head=0.0)
     n_layers = facts.num_layers or 0
     token_ids = INDEX_BYTES * seq_len * micro_batch_size  # the embedding's ids, alive until the very end
     if checkpointing == "selective":
-        kept = n_layers * (parts.layer - parts.attention) + parts.mask
+        kept = _saved_after_forward(parts, n_layers, checkpointing)
         # The last block's attention is recomputed once its MLP and second norm have been freed.
         during_backward = kept - parts.after_attention + parts.attention + parts.rope + token_ids
         return float(max(kept + parts.head, during_backward))
     wrapped = checkpointed_blocks(checkpointing, n_layers)
     kept = [parts.block_input if w else parts.layer for w in wrapped]
-    shared = (parts.rope if not all(wrapped) else 0.0) + (parts.mask if any(wrapped) else 0.0)
-    end_of_forward = sum(kept) + shared + parts.head
+    end_of_forward = _saved_after_forward(parts, n_layers, checkpointing) + parts.head
     if not any(wrapped):
         return float(end_of_forward)
     last = max(i for i, w in enumerate(wrapped) if w)
     recomputed = parts.layer - parts.input_reused
     during_backward = sum(kept[: last + 1]) + recomputed + parts.rope + parts.mask + token_ids
     return float(max(end_of_forward, during_backward))
+
+
+def pipeline_activations(
+    facts: ModelFacts,
+    seq_len: int,
+    micro_batch_size: int,
+    checkpointing: str = "none",
+    precision: str = "bf16",
+    attention: str = "sdpa",
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+) -> float | None:
+    """Peak bytes saved for backward on the busiest pipeline stage, or None if not a transformer.
+
+    Under the 1F1B schedule (DeepSpeed's ``TrainSchedule``, Megatron's default) stage i runs up to PP - i forward
+    passes before its first backward pass, so the first stage holds PP micro-batches in flight through its L / PP
+    blocks: PP - 1 waiting for their backward pass (each keeping what its forward pass saved) and one at its
+    backward peak. Without recomputation that adds up to L blocks of one micro-batch whatever PP: Korthikanti et al.
+    2022 (arXiv:2205.05198), section 4.2.3 ("the first stage must store activations for p microbatches ... L/p
+    layers each"). The last stage holds one micro-batch and the output layer; the answer is the larger of the two.
+    It assumes at least PP micro-batches a step (gradient accumulation >= PP; fewer leave the pipeline idle).
+    One stage is :func:`transformer_activations`.
+    """
+    if pipeline_parallel == 1:
+        return transformer_activations(
+            facts, seq_len, micro_batch_size, checkpointing, precision, attention, tensor_parallel
+        )
+    stage = replace(facts, num_layers=(facts.num_layers or 0) // pipeline_parallel)
+    run = (seq_len, micro_batch_size, checkpointing, precision, attention, tensor_parallel)
+    last = transformer_activations(stage, *run)
+    parts = activation_parts(stage, seq_len, micro_batch_size, precision, attention, tensor_parallel)
+    if last is None or parts is None:
+        return None
+    in_backward = transformer_activations(stage, *run, with_head=False) or 0.0
+    waiting = _saved_after_forward(parts, stage.num_layers or 0, checkpointing)
+    return float(max(last, (pipeline_parallel - 1) * waiting + in_backward))
 
 
 def buffer_bytes(

@@ -30,6 +30,14 @@ second and a test can check each term. Per rank, for K parameters on N data-para
   DeepSpeed keeps gathered parameters whole up to ``stage3_max_live_parameters``. bench/memory.py
   measures what is resident at the peak of the backward pass and publishes the ratio.
 - **host RAM** per node for offload: the offloaded per-rank bytes times the ranks on a node.
+- **tensor, pipeline and expert parallelism** (``--tensor-parallel``, ``--pipeline-parallel``,
+  ``--expert-parallel``, :class:`common.memory_formulas.ParallelLayout`): a rank holds dense / (TP x PP) +
+  experts / (EP x PP) parameters, and ZeRO partitions them over DP = world / (TP x PP) ranks (experts over DeepSpeed's
+  expert data-parallel group, DP / EP). Activations are the first pipeline stage's under 1F1B (PP micro-batches in
+  flight through L / PP blocks) with TP splitting each block's tensors (Korthikanti et al. 2022, eq. 2 and 4.2.3).
+  DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3, so with PP > 1 those rows never fit; DeepSpeed's
+  estimators know nothing of TP, PP or EP, so their column is empty. Bad combinations are refused by
+  :func:`common.memory_formulas.check_layout`.
 
 A row *fits* when model states + activations + buffers stay within 90 % of the device memory (10 %
 kept for fragmentation and the runtime's own context) and, with offload, the host RAM holds the
@@ -56,22 +64,26 @@ from common.memory_formulas import (
     USABLE_FRACTION,
     WORKING_BYTES,
     ModelFacts,
+    ParallelLayout,
     assumed_transformer,
     buffer_bytes,
+    check_layout,
     deepspeed_estimate,
     facts_from_hf_config,
     fmt_gb,
-    guide_model_states,
     host_memory,
     link_seconds_range,
     local_device_memory,
     lora_params,
     offload_traffic,
+    parallel_model_states,
     parse_bandwidths,
     parse_bytes,
     parse_count,
     persistent_params,
-    transformer_activations,
+    pipeline_activations,
+    rank_params,
+    rank_partition,
 )
 from common.presets import FROM_MODEL, get_preset
 from common.strategy import bucket_elements, persistence_threshold
@@ -123,6 +135,9 @@ class PlanInputs:
         host_memory_bytes: host RAM per node, for offload rows (None: not checked).
         bucket_elements: reduce / all-gather bucket size; None scales it to the model like the presets.
         bandwidth_gbps: GB/s of each link as (low, high): guide 1's table, or one measured figure (``--bandwidth``).
+        tensor_parallel: TP, ranks splitting each matrix (1: none).
+        pipeline_parallel: PP, pipeline stages (1: none).
+        expert_parallel: EP, ranks splitting a MoE layer's experts (1: none).
     """
 
     gpus_per_node: int = 1
@@ -139,11 +154,19 @@ class PlanInputs:
     host_memory_bytes: float | None = None
     bucket_elements: int | None = None
     bandwidth_gbps: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(GUIDE_BANDWIDTH_GBPS))
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1
 
     @property
     def world_size(self) -> int:
-        """Data-parallel ranks in total."""
+        """Ranks in total (data-parallel ranks when there is no tensor or pipeline parallelism)."""
         return self.gpus_per_node * self.nodes
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The ranks as tensor x pipeline x data parallel, with expert parallelism."""
+        return ParallelLayout(self.world_size, self.tensor_parallel, self.pipeline_parallel, self.expert_parallel)
 
 
 @dataclass
@@ -188,6 +211,7 @@ class Plan:
         """The ``--json`` form: ``{"rows": [...], "model": ..., "inputs": ..., "recommendation": ...}``."""
         inputs = asdict(self.inputs)
         inputs["world_size"] = self.inputs.world_size
+        inputs["data_parallel"] = self.inputs.layout.data_parallel
         model = asdict(self.model)
         model.pop("param_numels")  # one number per parameter: too long to print, persistent_params is per row
         return {
@@ -218,7 +242,10 @@ def _offload_time(facts: ModelFacts, stage: int, offload: str, inputs: PlanInput
     bound if every transfer overlapped with compute and with the others.
     """
     trainable = lora_params(facts, inputs.lora_rank) if inputs.lora_rank else facts.num_params
-    traffic = offload_traffic(trainable, stage, offload, inputs.world_size, inputs.precision)
+    ranks = inputs.world_size
+    if not inputs.layout.trivial:  # the rank's own partition, sharded over its data-parallel group already
+        trainable, ranks = rank_partition(facts, inputs.layout), 1
+    traffic = offload_traffic(trainable, stage, offload, ranks, inputs.precision)
     if not traffic:
         return {}
     seconds, slowest = link_seconds_range(traffic, inputs.gpus_per_node, inputs.bandwidth_gbps)
@@ -239,14 +266,17 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
         raise ConfigError(f"offload must be one of {', '.join(OFFLOADS)}, got {inputs.offload!r}")
     if inputs.precision not in WORKING_BYTES:
         raise ConfigError(f"precision must be bf16, fp16 or fp32, got {inputs.precision!r}")
-    n = inputs.world_size
+    layout = inputs.layout
+    check_layout(facts, layout)
     bucket = inputs.bucket_elements or bucket_elements(facts.hidden_size)
-    largest = facts.largest_layer_params or 0
+    # TP splits the largest matrix too (the embedding is vocabulary-parallel); an upper bound under EP.
+    largest = (facts.largest_layer_params or 0) // layout.tensor
     usable = USABLE_FRACTION * inputs.device_memory_bytes
     ac = inputs.activation_checkpointing
     run = (inputs.seq_len, inputs.micro_batch_size)
-    act_none = transformer_activations(facts, *run, "none", inputs.precision, inputs.attention)
-    act_ckpt = transformer_activations(facts, *run, ac, inputs.precision, inputs.attention)
+    split = (layout.tensor, layout.pipeline)
+    act_none = pipeline_activations(facts, *run, "none", inputs.precision, inputs.attention, *split)
+    act_ckpt = pipeline_activations(facts, *run, ac, inputs.precision, inputs.attention, *split)
     result = Plan(model=facts, inputs=inputs)
     for stage, offload in ROW_PRESETS:
         if inputs.offload is not None and offload != inputs.offload:
@@ -254,15 +284,15 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
         zero = _preset_zero(stage, offload, bucket, facts.hidden_size)
         threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if stage == 3 else 0
         states_offload = "params" if offload == "nvme" else offload  # NVMe takes what host RAM would hold
-        device, host = guide_model_states(
-            facts, stage, states_offload, n, inputs.precision, inputs.lora_rank, threshold
+        device, host = parallel_model_states(
+            facts, stage, states_offload, layout, inputs.precision, inputs.lora_rank, threshold
         )
-        after_step, _ = guide_model_states(
-            facts, stage, states_offload, n, inputs.precision, inputs.lora_rank, threshold, grads_alive=False
+        after_step, _ = parallel_model_states(
+            facts, stage, states_offload, layout, inputs.precision, inputs.lora_rank, threshold, grads_alive=False
         )
         disk = host if offload == "nvme" else 0.0
         host -= disk
-        if inputs.lora_rank:
+        if inputs.lora_rank or not layout.trivial:  # DeepSpeed's estimators know no LoRA, TP, PP or EP
             ds_gpu, ds_cpu = None, None
         else:
             ds_gpu, ds_cpu = deepspeed_estimate(
@@ -271,6 +301,8 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
             if offload == "nvme":  # DeepSpeed's estimator has no NVMe case: its GPU figure holds, its CPU one not
                 ds_cpu = None
         sharded = facts.num_params - persistent_params(facts, threshold)
+        if not layout.trivial:
+            sharded = int(sum(rank_params(facts, layout))) - persistent_params(facts, threshold) // layout.pipeline
         buffers = buffer_bytes(stage, zero, inputs.precision, largest, bucket, sharded)
         host_node = host * inputs.gpus_per_node
         host_ok = inputs.host_memory_bytes is None or host_node <= inputs.host_memory_bytes
@@ -281,10 +313,14 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
             fits_with = "none" if total <= usable else (ac if total_ckpt is not None and total_ckpt <= usable else None)
         else:  # activations unknown: model states and buffers only
             fits_with = "unknown activations" if base <= usable else None
-        fits = fits_with is not None and host_ok
+        # DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism".
+        pipeline_refuses = layout.pipeline > 1 and stage >= 2
+        fits = fits_with is not None and host_ok and not pipeline_refuses
         note = ""
         if not host_ok:
             note = f"host RAM: needs {fmt_gb(host_node)} per node"
+        if pipeline_refuses:
+            note = "DeepSpeed's pipeline engine runs ZeRO 0-1 only"
         result.rows.append(
             Row(
                 stage=stage,
@@ -422,6 +458,8 @@ def format_plan(result: Plan) -> str:
         f"device memory: {fmt_gb(inp.device_memory_bytes)} ({inp.device_memory_label}); a plan fits in "
         f"{int(USABLE_FRACTION * 100)} % of it",
     ]
+    if not inp.layout.trivial:
+        lines += _layout_lines(result)
     if facts.architecture != "transformer":
         lines.append(
             f"activations: not estimated for {facts.architecture} (the formula is a transformer's): "
@@ -476,6 +514,33 @@ def format_plan(result: Plan) -> str:
     )
     lines += textwrap.wrap(recommended, width=len(header), subsequent_indent="  ", break_on_hyphens=False)
     return "\n".join(lines)
+
+
+def _layout_lines(result: Plan) -> list[str]:
+    """What a rank holds under tensor, pipeline and expert parallelism, and how the columns change with it."""
+    layout, facts = result.inputs.layout, result.model
+    dense, experts = rank_params(facts, layout)
+    lines = [
+        f"parallel: tensor {layout.tensor} x pipeline {layout.pipeline} x data {layout.data_parallel}"
+        + (
+            f", experts over {layout.expert} ranks (expert data-parallel {layout.expert_data_parallel})"
+            if layout.expert > 1
+            else ""
+        )
+        + f"; a rank holds {dense / 1e9:.4g}B dense"
+        + (f" + {experts / 1e9:.4g}B expert" if facts.expert_params else "")
+        + " parameters",
+        "  model states: the guide's formula on the rank's parameters with N = data-parallel ranks (experts: N = "
+        "DP / EP); DeepSpeed est.: n/a (its estimators know no TP, PP or EP)",
+    ]
+    if layout.pipeline > 1:
+        lines.append(
+            f"  activations: the first of {layout.pipeline} stages under 1F1B, {layout.pipeline} micro-batches in "
+            f"flight through {(facts.num_layers or 0) // layout.pipeline} blocks; ZeRO 2-3 rows cannot run "
+            "(DeepSpeed's pipeline engine: ZeRO 0-1 only)"
+        )
+    indent = {True: "    ", False: "  "}  # continuation lines sit under their own line's text
+    return [part for line in lines for part in textwrap.wrap(line, width=118, subsequent_indent=indent[line[0] == " "])]
 
 
 def _fmt_seconds(low: float, high: float) -> str:
@@ -580,6 +645,15 @@ def register(sub: Any) -> None:
         help="a measured bandwidth for the offload time column, e.g. nvme=3.2 (links: hbm, dram, pcie, nvme; "
         "default: guide 1's ranges)",
     )
+    p.add_argument(
+        "--tensor-parallel", type=int, default=1, help="TP: ranks splitting each matrix (Megatron / AutoTP; default 1)"
+    )
+    p.add_argument(
+        "--pipeline-parallel", type=int, default=1, help="PP: pipeline stages (DeepSpeed PipelineModule; default 1)"
+    )
+    p.add_argument(
+        "--expert-parallel", type=int, default=1, help="EP: ranks splitting a MoE layer's experts (default 1)"
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_estimate)
 
@@ -646,6 +720,9 @@ def cmd_estimate(args: Any) -> int:
         host_memory_bytes=host,
         bucket_elements=parse_count(args.bucket_size) if args.bucket_size else None,
         bandwidth_gbps=parse_bandwidths(args.bandwidth),
+        tensor_parallel=args.tensor_parallel,
+        pipeline_parallel=args.pipeline_parallel,
+        expert_parallel=args.expert_parallel,
     )
     result = plan(facts, inputs)
     print(to_json_text(result) if args.json else format_plan(result))

@@ -92,6 +92,10 @@ FAILING_FILES = {
     "hpz-partition": ("json", ds(3, zero_hpz_partition_size=3), {}),
     "zenflow": ("json", ds(2, zenflow={"topk_ratio": 0.05}), {}),  # ZenFlow without ZeRO-Offload
     "bf16-optimizer-states": ("json", {**ds(2), "bf16": {"enabled": True, "bf16_optimizer_states": True}}, {}),
+    # Guide 2's hybrid example: DeepSpeed's pipeline engine runs ZeRO 0-1 only (tests/unit/test_parallel_plan.py).
+    "pipeline-zero-stage": ("json", {**ds(3), "pipeline": {"stages": 4}}, {}),
+    "parallel-keys-ignored": ("json", {**ds(1), "tensor": {"size": 8}}, {}),  # DeepSpeed has no "tensor" key
+    "autotp-size": ("json", {**ds(1), "tensor_parallel": {"autotp_size": 4}}, {}),  # 16 / (4 x 2) = 2 ranks
 }
 
 NVME_ZERO = {
