@@ -4,9 +4,9 @@ A synchronous DeepSpeed save stops every rank for the whole write (guide 2, 8; D
 :class:`AsyncCheckpointer` splits it in two:
 
 * **snapshot** (the training loop waits): DeepSpeed's ``save_checkpoint`` runs as usual, but every file it hands to
-  its checkpoint engine goes to :class:`SnapshotCheckpointEngine`, whose ``save`` deep-copies the state's tensors to
-  host memory and queues them. ZeRO's optimizer ``state_dict()`` returns the live fp32 partitions, which the next
-  optimizer step overwrites in place, so the copy is what makes the write safe to defer.
+  its checkpoint engine goes to the engine :func:`snapshot_engine` makes, whose ``save`` deep-copies the state's
+  tensors to host memory and queues them. ZeRO's optimizer ``state_dict()`` returns the live fp32 partitions, which
+  the next optimizer step overwrites in place, so the copy is what makes the write safe to defer.
 * **write** (a background thread per rank, while training goes on): ``torch.save`` of each snapshot, then ``fsync``
   of every file in the rank's checkpoint folder, then a marker ``.written-rank<K>``. Rank 0's thread waits until
   every rank's marker is there and only then publishes (``publish_checkpoint``: rename into place, move ``latest``,
@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
 
@@ -82,20 +81,29 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-class SnapshotCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's checkpoint engine with ``save`` = snapshot now, write later (in :class:`AsyncCheckpointer`)."""
+def snapshot_engine(checkpointer: AsyncCheckpointer, replaced: Any) -> Any:
+    """A DeepSpeed checkpoint engine whose ``save`` snapshots now and lets ``checkpointer``'s thread write later.
 
-    def __init__(self, checkpointer: AsyncCheckpointer, replaced: TorchCheckpointEngine) -> None:
-        super().__init__(None)
-        self.name = "SnapshotCheckpointEngine"
-        self.checkpointer = checkpointer
-        self.zipfile_serialization = getattr(replaced, "zipfile_serialization", True)
+    It is DeepSpeed's ``TorchCheckpointEngine`` (same files, same loading) with ``save`` replaced; made here, not
+    at import, because importing DeepSpeed prints to stdout, which a recipe's ``--describe`` keeps for its JSON.
 
-    def save(self, state_dict: Any, path: str) -> None:
-        self.checkpointer.enqueue_file(state_dict, path, self.zipfile_serialization)
+    Args:
+        checkpointer: the rank's writer.
+        replaced: the engine DeepSpeed built (its zip-serialization setting is kept), or None.
+    """
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-    def preserves_storage_sharing(self) -> bool:
-        return False  # snapshot() copies every tensor compactly already: DeepSpeed's own clone would be a second copy
+    class SnapshotCheckpointEngine(TorchCheckpointEngine):
+        def save(self, state_dict: Any, path: str) -> None:
+            checkpointer.enqueue_file(state_dict, path, self.zipfile_serialization)
+
+        def preserves_storage_sharing(self) -> bool:
+            return False  # snapshot() copies every tensor compactly: DeepSpeed's own clone would be a second copy
+
+    engine = SnapshotCheckpointEngine(None)
+    engine.name = "SnapshotCheckpointEngine"
+    engine.zipfile_serialization = getattr(replaced, "zipfile_serialization", True)
+    return engine
 
 
 class Checkpointer:
@@ -197,7 +205,7 @@ class AsyncCheckpointer(Checkpointer):
 
     def install(self, engine: Any) -> None:
         """Route a DeepSpeed engine's checkpoint files through this writer (after ``deepspeed.initialize``)."""
-        engine.checkpoint_engine = SnapshotCheckpointEngine(self, engine.checkpoint_engine)
+        engine.checkpoint_engine = snapshot_engine(self, engine.checkpoint_engine)
 
     def save(self, step: int, write: Callable[[Path], None]) -> None:
         """Wait for the previous save, then run the backend's save into the temporary folder; returns once snapshotted.

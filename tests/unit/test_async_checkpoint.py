@@ -1,9 +1,9 @@
 """The asynchronous checkpoint writer: snapshot semantics and the publish protocol, in one process.
 
 Two AsyncCheckpointers with ranks 0 and 1 share a run directory, as two processes would (the protocol between
-ranks is files: one marker per rank, rank 0 publishes). DeepSpeed's side is its checkpoint-engine call,
-``SnapshotCheckpointEngine.save(state, path)``; the 2-process runs through both backends, including a SIGKILL
-during an in-flight write, are in tests/recipes/test_resume.py.
+ranks is files: one marker per rank, rank 0 publishes). DeepSpeed's side is its checkpoint-engine call, ``save(state,
+path)`` of the engine ``snapshot_engine`` makes; the 2-process runs through both backends, including a SIGKILL during
+an in-flight write, are in tests/recipes/test_resume.py.
 
 A write is held in flight deterministically by a state object whose pickling waits on an event (no sleeps).
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.async_checkpoint import AsyncCheckpointer, Checkpointer, SnapshotCheckpointEngine, snapshot
+from common.async_checkpoint import AsyncCheckpointer, Checkpointer, snapshot, snapshot_engine
 from common.checkpoint import latest_checkpoint
 
 
@@ -42,7 +42,7 @@ def pair(out_dir: Path) -> list[AsyncCheckpointer]:
 
 def writer(checkpointer, state: dict):
     """What DeepSpeed's save_checkpoint does on one rank: one file per rank through its checkpoint engine."""
-    engine = SnapshotCheckpointEngine(checkpointer, replaced=None)
+    engine = snapshot_engine(checkpointer, replaced=None)
 
     def write(folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
