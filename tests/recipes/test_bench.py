@@ -93,6 +93,7 @@ def test_checkpoint_bench_cpu_mode_writes_its_results_with_provenance(tmp_path):
     stall = written["stall"]
     assert stall["world_size"] == 2 and stall["num_params"] > 0 and stall["checkpoint_bytes"] > 0
     assert [len(stall["blocked_s"][mode]) for mode in ("sync", "async")] == [2, 2]
+    assert written["summary"]["first_async_blocked_s"] == stall["blocked_s"]["async"][0]
     # The snapshot is one rank's share of what a checkpoint holds: between a tenth and all of it.
     assert stall["checkpoint_bytes"] / 10 < stall["snapshot_bytes_per_rank"] < stall["checkpoint_bytes"]
     assert written["summary"]["stall_ratio"] > 0 and len(written["scaling"]) == 1

@@ -121,3 +121,15 @@ def test_the_synchronous_checkpointer_publishes_before_save_returns(tmp_path):
 
     sync.save(2, write)
     assert latest_checkpoint(tmp_path).name == "step_000002" and sync.snapshot_bytes == 0
+
+
+def test_the_next_snapshot_reuses_the_host_tensors_of_the_last():
+    pool: dict = {}
+    live = {"w": torch.zeros(8), "step": 3}
+    first, _ = snapshot(live, pool, ("states.pt",))
+    live["w"].add_(2.0)
+    second, nbytes = snapshot(live, pool, ("states.pt",))
+    assert second["w"].data_ptr() == first["w"].data_ptr()  # no new allocation
+    assert second["w"].tolist() == [2.0] * 8 and nbytes == 32
+    other, _ = snapshot({"w": torch.zeros(4)}, pool, ("states.pt",))  # another shape: a tensor of its own
+    assert other["w"].data_ptr() != first["w"].data_ptr()
