@@ -193,8 +193,13 @@ def summarize(stall: dict) -> dict:
     }
 
 
-def verdict(value: float, upper: float, bar: float) -> str:
-    return f"met ({upper:.3f} <= {bar})" if upper <= bar else f"not met (upper end {upper:.3f} > {bar})"
+def verdict(median: float, upper: float, bar: float) -> str:
+    """Met only when the upper end of the spread is within the bar: noise must not decide it."""
+    if upper <= bar:
+        return f"met (upper end {upper:.3f} <= {bar})"
+    if median <= bar:
+        return f"median within, upper end {upper:.3f} > {bar}: not met"
+    return f"not met (median {median:.3f} > {bar})"
 
 
 def render_body(results: dict) -> str:
