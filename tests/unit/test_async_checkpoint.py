@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from common.async_checkpoint import AsyncCheckpointer, Checkpointer, snapshot, snapshot_engine
+from common.async_checkpoint import MARKER, AsyncCheckpointer, Checkpointer, snapshot, snapshot_engine
 from common.checkpoint import latest_checkpoint
 
 
@@ -34,6 +35,16 @@ class Gate:
 
 def no_barrier() -> None:
     pass
+
+
+def wait_for(condition, seconds: float) -> bool:
+    """Whether ``condition()`` became true within ``seconds`` (polled)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
 
 
 def pair(out_dir: Path) -> list[AsyncCheckpointer]:
@@ -72,7 +83,9 @@ def test_latest_moves_only_after_every_rank_wrote_and_holds_the_state_at_snapsho
     rank1.save(4, writer(rank1, {"w": weights[1], "gate": gate}))  # returns with rank 1's write in flight
     for w in weights:
         w.add_(5.0)  # training goes on and changes the live tensors
-    assert latest_checkpoint(tmp_path) is None  # rank 1 has not finished: nothing published
+    rank0_marker = tmp_path / "checkpoints" / ".tmp-step_000004" / f"{MARKER}00000"
+    assert wait_for(rank0_marker.exists, 30)  # rank 0 has written its share...
+    assert not wait_for(lambda: latest_checkpoint(tmp_path) is not None, 0.5)  # ...and publishes nothing without rank 1
     gate.open.set()
     rank1.finish()
     rank0.finish()
