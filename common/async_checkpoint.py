@@ -169,20 +169,13 @@ class Checkpointer:
         """Every rank, at the end of training (nothing is in flight)."""
 
 
-def make_checkpointer(
-    asynchronous: bool,
-    out_dir: str | Path,
-    rank: int,
-    world_size: int,
-    keep_last: int,
-    keep_every: int,
-    barrier: Callable[[], None],
-    publish_timeout_s: float = 900.0,
-) -> Checkpointer:
-    """The recipe's ``async_save`` key picks the writer; both publish through ``publish_checkpoint``."""
-    if asynchronous:
-        return AsyncCheckpointer(out_dir, rank, world_size, keep_last, keep_every, barrier, publish_timeout_s)
-    return Checkpointer(out_dir, rank, world_size, keep_last, keep_every, barrier)
+def make_checkpointer(cfg: Any, rank: int, world_size: int, barrier: Callable[[], None]) -> Checkpointer:
+    """The writer a recipe's config asks for: ``async_save`` picks it, ``out_dir``, ``keep_last``, ``keep_every`` and
+    ``collective_timeout_s`` (how long rank 0 waits for the other ranks' writes) set it up."""
+    common = (cfg.out_dir, rank, world_size, cfg.keep_last, cfg.keep_every, barrier)
+    if cfg.async_save:
+        return AsyncCheckpointer(*common, publish_timeout_s=cfg.collective_timeout_s)
+    return Checkpointer(*common)
 
 
 class AsyncCheckpointer(Checkpointer):

@@ -93,16 +93,7 @@ def main() -> None:
             accelerator.load_state(str(resume.load_path))  # DeepSpeed shards and optimizer, the scheduler
     loader = train_loader(data, cfg, rank, world_size, start_step)
     net = accelerator.unwrap_model(engine)
-    checkpointer = make_checkpointer(
-        cfg.async_save,
-        out_dir,
-        rank,
-        world_size,
-        cfg.keep_last,
-        cfg.keep_every,
-        accelerator.wait_for_everyone,
-        cfg.collective_timeout_s,
-    )
+    checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
     checkpointer.install(engine)  # async_save: DeepSpeed's files go through it
 
     metrics = MetricsLog(out_dir, enabled=accelerator.is_main_process)

@@ -141,16 +141,7 @@ class CausalLM(L.LightningModule):
 
     def on_train_start(self) -> None:
         cfg, strategy = self.cfg, self.trainer.strategy
-        self.checkpointer = make_checkpointer(
-            cfg.async_save,
-            cfg.out_dir,
-            self.global_rank,
-            self.trainer.world_size,
-            cfg.keep_last,
-            cfg.keep_every,
-            strategy.barrier,
-            cfg.collective_timeout_s,
-        )
+        self.checkpointer = make_checkpointer(cfg, self.global_rank, self.trainer.world_size, strategy.barrier)
         self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
         self.val_batches = eval_batches(self.data, self.cfg, self.global_rank, self.trainer.world_size)
         if self.start_step == 0:

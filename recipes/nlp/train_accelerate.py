@@ -121,16 +121,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    checkpointer = make_checkpointer(
-        cfg.async_save,
-        out_dir,
-        rank,
-        world_size,
-        cfg.keep_last,
-        cfg.keep_every,
-        accelerator.wait_for_everyone,
-        cfg.collective_timeout_s,
-    )
+    checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
     checkpointer.install(engine)  # async_save: DeepSpeed's files go through it
 
     if resume:
