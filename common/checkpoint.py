@@ -4,7 +4,7 @@ Crash safety: every rank writes its shards into ``checkpoints/.tmp-step_000100/`
 rank 0 renames it to ``checkpoints/step_000100/`` and only then rewrites the ``latest`` file (itself
 through a temporary file and ``os.replace``). A crash at any point leaves ``latest`` naming a
 complete checkpoint. A ``.tmp-step_*`` folder left by a crash is never read (only ``latest`` is) and
-is deleted by the next publish or resume (:func:`clean_partial_checkpoints`).
+is deleted by the next publish (those of earlier steps) or resume (all) (:func:`clean_partial_checkpoints`).
 
 Whole weights: under ZeRO-3 every rank holds 1/N of each parameter. :func:`gather_full_state_dict`
 gathers one parameter at a time (``deepspeed.zero.GatheredParameters``), so the peak is the state
@@ -110,19 +110,27 @@ def publish_checkpoint(out_dir: str | Path, step: int, keep_last: int = 2, keep_
     for old_step, path in steps.items():
         if old_step not in kept:
             shutil.rmtree(path, ignore_errors=True)
-    clean_partial_checkpoints(out_dir)
+    clean_partial_checkpoints(out_dir, before=step)
     return final
 
 
 def _latest_name(root: Path) -> str | None:
+    """What the ``latest`` pointer says, as written (None without one)."""
     pointer = root / LATEST
     return pointer.read_text().strip() if pointer.is_file() else None
 
 
-def clean_partial_checkpoints(out_dir: str | Path) -> list[Path]:
-    """Rank 0, while no rank is saving: delete ``.tmp-step_*`` folders a crash left half written; return them."""
+def clean_partial_checkpoints(out_dir: str | Path, before: int | None = None) -> list[Path]:
+    """Rank 0: delete ``.tmp-step_*`` folders a crash left half written; return them.
+
+    Args:
+        out_dir: the run directory.
+        before: only those of earlier steps (a publish: with asynchronous saves, another rank may already be writing
+            a later step's folder); None: all of them (at resume, before any rank saves).
+    """
     root = Path(out_dir) / CHECKPOINTS
     partial = sorted(root.glob(".tmp-step_*")) if root.is_dir() else []
+    partial = [path for path in partial if before is None or int(path.name.rsplit("_", 1)[1]) < before]
     for path in partial:
         shutil.rmtree(path, ignore_errors=True)
     return partial
@@ -131,13 +139,12 @@ def clean_partial_checkpoints(out_dir: str | Path) -> list[Path]:
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     """The checkpoint ``latest`` names, or None when there is none; a dangling pointer is an error."""
     root = Path(out_dir) / CHECKPOINTS
-    pointer = root / LATEST
-    if not pointer.is_file():
+    name = _latest_name(root)
+    if name is None:
         return None
-    name = pointer.read_text().strip()
     path = root / name
     if not _STEP_DIR.match(name) or not path.is_dir():
-        raise ConfigError(f"{pointer} names {name!r}, which is not a complete checkpoint in {root}")
+        raise ConfigError(f"{root / LATEST} names {name!r}, which is not a complete checkpoint in {root}")
     return path
 
 

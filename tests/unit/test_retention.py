@@ -132,3 +132,11 @@ def test_every_recipe_config_checks_its_retention_keys():
             config(keep_last=0)
         with pytest.raises(ConfigError, match="checkpoint_interval=3"):
             config(checkpoint_interval=3, keep_every=4)
+
+
+def test_a_publish_deletes_earlier_half_written_folders_but_not_a_later_one_in_flight(tmp_path):
+    # With async_save, rank 0 publishes step 4 from its writer thread while another rank may already write step 8.
+    for step in (2, 8):
+        tmp_checkpoint_dir(tmp_path, step).mkdir(parents=True)
+    save(tmp_path, 4, keep_last=2)
+    assert listing(tmp_path) == [".tmp-step_000008", "latest", "step_000004"]
