@@ -61,13 +61,12 @@ from finetuning import (
 )
 
 from common.accounting import model_state_bytes
+from common.async_checkpoint import Checkpointer
 from common.checkpoint import (
     CHECKPOINTS,
     checkpoint_step,
     gather_full_state_dict,
     latest_checkpoint,
-    publish_checkpoint,
-    tmp_checkpoint_dir,
 )
 from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
@@ -142,6 +141,11 @@ class LoRAFinetune(L.LightningModule):
         return loss
 
     def on_train_start(self) -> None:
+        cfg, strategy = self.cfg, self.trainer.strategy
+        world_size = self.trainer.world_size
+        self.checkpointer = Checkpointer(
+            cfg.out_dir, self.global_rank, world_size, cfg.keep_last, cfg.keep_every, strategy.barrier
+        )
         self.val_batches = val_batches(self.data, self.cfg, self.global_rank, self.trainer.world_size)
         if self.start_step == 0:
             self.evaluate(0)
@@ -173,14 +177,14 @@ class LoRAFinetune(L.LightningModule):
         self.print(f"step {step}: val_loss {self.val_loss:.4f} ({self.clock.wall():.0f} s)")
 
     def save(self, step: int) -> None:
-        # Every rank writes its shards (adapters and their optimizer state only) into a temporary folder.
-        out_dir, strategy = Path(self.cfg.out_dir), self.trainer.strategy
-        self.trainer.save_checkpoint(tmp_checkpoint_dir(out_dir, step))
-        strategy.barrier()
-        if self.trainer.is_global_zero:
-            write_base_reference(tmp_checkpoint_dir(out_dir, step), self.base)
-            publish_checkpoint(out_dir, step, self.cfg.keep_last, self.cfg.keep_every)
-        strategy.barrier()
+        # Every rank writes its shards (adapters and their optimizer state only) into a temporary folder, rank 0
+        # the base's reference too; rank 0 publishes it once all are done.
+        def write(folder: Path) -> None:
+            self.trainer.save_checkpoint(folder)
+            if self.trainer.is_global_zero:
+                write_base_reference(folder, self.base)
+
+        self.checkpointer.save(step, write)
 
     def on_train_end(self) -> None:
         # Collective work first (every rank): logits on a fixed batch, whole weights gathered one at a time.

@@ -49,13 +49,12 @@ from finetuning import (
 from tqdm.auto import tqdm
 
 from common.accounting import model_state_bytes
+from common.async_checkpoint import Checkpointer
 from common.checkpoint import (
     CHECKPOINTS,
     checkpoint_step,
     gather_full_state_dict,
     latest_checkpoint,
-    publish_checkpoint,
-    tmp_checkpoint_dir,
 )
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import ConfigError, exit_on_user_error
@@ -71,15 +70,12 @@ from nlp.model import ModelError
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated", category=FutureWarning)
 
 
-def save_checkpoint(accelerator: Accelerator, out_dir: Path, step: int, cfg: FinetuneConfig, base: dict) -> None:
+def write_checkpoint(accelerator: Accelerator, folder: Path, base: dict) -> None:
     """Every rank writes its shards (adapters and their optimizer state, no frozen weights); rank 0 adds the base's
-    reference (its files' hashes) and publishes."""
-    accelerator.save_state(str(tmp_checkpoint_dir(out_dir, step)), exclude_frozen_parameters=True)
-    accelerator.wait_for_everyone()
+    reference (its files' hashes)."""
+    accelerator.save_state(str(folder), exclude_frozen_parameters=True)
     if accelerator.is_main_process:
-        write_base_reference(tmp_checkpoint_dir(out_dir, step), base)
-        publish_checkpoint(out_dir, step, cfg.keep_last, cfg.keep_every)
-    accelerator.wait_for_everyone()
+        write_base_reference(folder, base)
 
 
 @exit_on_user_error(DataError, ModelError)
@@ -125,6 +121,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))  # stepped once per optimizer step
     engine, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
+    checkpointer = Checkpointer(out_dir, rank, world_size, cfg.keep_last, cfg.keep_every, accelerator.wait_for_everyone)
 
     start_step = 0
     if cfg.resume:
@@ -177,7 +174,7 @@ def main() -> None:
             val_loss = run_eval(step)
             engine.train()
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
-            save_checkpoint(accelerator, out_dir, step, cfg, base)
+            checkpointer.save(step, lambda folder: write_checkpoint(accelerator, folder, base))  # rank 0 publishes
         clock.skip()
     bar.close()
 

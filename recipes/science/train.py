@@ -49,7 +49,7 @@ from operator_learning import (  # next to this script: data, model, evaluation,
 )
 from science_config import DEFAULT_CONFIG, ScienceConfig
 
-from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.async_checkpoint import Checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
 from common.errors import exit_on_user_error
@@ -97,6 +97,11 @@ class OperatorLearning(L.LightningModule):
         self.metrics = MetricsLog(self.out_dir, enabled=self.global_rank == 0)
 
     def on_train_start(self) -> None:
+        cfg, world_size = self.cfg, self.trainer.world_size
+        barrier = self.trainer.strategy.barrier
+        self.checkpointer = Checkpointer(
+            self.out_dir, self.global_rank, world_size, cfg.keep_last, cfg.keep_every, barrier
+        )
         if self.start_step == 0:  # the untrained model's error: where the curve starts
             error = evaluate(self.net, self.data.x_test, self.data.y_test, self.global_rank, self.trainer.world_size)
             self.metrics.log(0, val_rel_l2=error)
@@ -143,11 +148,7 @@ class OperatorLearning(L.LightningModule):
             self.metrics.log(step, val_rel_l2=error)
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
-            self.trainer.save_checkpoint(tmp_checkpoint_dir(self.out_dir, step))
-            self.trainer.strategy.barrier()
-            if self.global_rank == 0:
-                publish_checkpoint(self.out_dir, step, cfg.keep_last, cfg.keep_every)
-            self.trainer.strategy.barrier()
+            self.checkpointer.save(step, self.trainer.save_checkpoint)
         self.clock.skip()
 
     def on_train_end(self) -> None:

@@ -37,7 +37,7 @@ from operator_learning import (  # next to this script: data, model, evaluation,
 from science_config import DEFAULT_CONFIG, ScienceConfig
 from tqdm.auto import tqdm
 
-from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.async_checkpoint import Checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
 from common.metrics import Clock
@@ -89,6 +89,8 @@ def main() -> None:
     accelerator.register_for_checkpointing(scheduler)
     # The DataLoader is not prepared either: StepSampler already gives each rank its slice (exact on resume).
     model, optimizer = accelerator.prepare(net, optimizer)
+    barrier = accelerator.wait_for_everyone
+    checkpointer = Checkpointer(out_dir, rank, world_size, cfg.keep_last, cfg.keep_every, barrier)
     if resume is not None:
         with param_groups_kept(optimizer):  # DeepSpeed's ZeRO-3 universal load flattens the groups' settings
             accelerator.load_state(str(resume.load_path))  # DeepSpeed shards and optimizer, the scheduler, RNG
@@ -125,11 +127,7 @@ def main() -> None:
             metrics.log(step, val_rel_l2=error)
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
-            accelerator.save_state(str(tmp_checkpoint_dir(out_dir, step)))
-            accelerator.wait_for_everyone()
-            if main_process:
-                publish_checkpoint(out_dir, step, cfg.keep_last, cfg.keep_every)
-            accelerator.wait_for_everyone()
+            checkpointer.save(step, lambda folder: accelerator.save_state(str(folder)))
         clock.skip()
     bar.close()
 
