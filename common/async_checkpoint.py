@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.rundir import fsync_path
 
 MARKER = ".written-rank"
 WRITE_DELAY_ENV = "ZERO_RECIPES_TEST_CHECKPOINT_WRITE_DELAY_S"
@@ -82,16 +83,8 @@ def snapshot(state: Any, pool: dict | None = None, key: tuple = ()) -> tuple[Any
 def fsync_tree(folder: Path) -> None:
     """Flush every file under ``folder`` and the folders themselves to disk."""
     for path in sorted(folder.rglob("*"), reverse=True):
-        _fsync(path)
-    _fsync(folder)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(path)
+    fsync_path(folder)
 
 
 def snapshot_engine(checkpointer: AsyncCheckpointer, replaced: Any) -> Any:
@@ -120,7 +113,8 @@ def snapshot_engine(checkpointer: AsyncCheckpointer, replaced: Any) -> Any:
 
 
 class Checkpointer:
-    """The synchronous save: every rank writes, a barrier, rank 0 publishes, a barrier; the loop waits for the disk.
+    """The synchronous save: every rank writes and fsyncs, a barrier, rank 0 publishes, a barrier; the loop waits for
+    the disk.
 
     :class:`AsyncCheckpointer` has the same interface; a recipe builds either with :func:`make_checkpointer`.
 
@@ -158,7 +152,9 @@ class Checkpointer:
                 ``accelerator.save_state``).
         """
         start = time.perf_counter()
-        write(tmp_checkpoint_dir(self.out_dir, step))
+        folder = tmp_checkpoint_dir(self.out_dir, step)
+        write(folder)
+        fsync_tree(folder)  # on disk before `latest` can name it: a power loss must not leave it pointing at holes
         self.barrier()
         if self.rank == 0:
             publish_checkpoint(self.out_dir, step, self.keep_last, self.keep_every)
@@ -271,7 +267,7 @@ class AsyncCheckpointer(Checkpointer):
         fsync_tree(folder)
         marker = folder / f"{MARKER}{self.rank:05d}"
         marker.touch()
-        _fsync(marker)  # the folder's entry for it is flushed by rank 0, which may rename the folder from now on
+        fsync_path(marker)  # the folder's entry for it is flushed by rank 0, which may rename the folder from now on
         if self.rank == 0:
             self._publish_when_all_written(step, folder)
         self.written_s.append(time.perf_counter() - snapshotted_at)
@@ -285,5 +281,5 @@ class AsyncCheckpointer(Checkpointer):
                     f"writing after {self.publish_timeout_s:.0f} s; not published"
                 )
             time.sleep(PUBLISH_POLL_S)
-        _fsync(folder)  # every rank's marker entry on disk before the rename
+        fsync_path(folder)  # every rank's marker entry on disk before the rename
         publish_checkpoint(self.out_dir, step, self.keep_last, self.keep_every)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from common.errors import ConfigError
-from common.rundir import write_text_atomic
+from common.rundir import fsync_path, write_text_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -104,7 +104,8 @@ def publish_checkpoint(out_dir: str | Path, step: int, keep_last: int = 2, keep_
         if final.exists():  # left by an attempt that crashed before `latest` reached it: not what resume reads
             shutil.rmtree(final)
         os.replace(tmp, final)
-        write_text_atomic(root / LATEST, final.name + "\n")
+        fsync_path(root)  # the rename on disk before `latest` names it
+        write_text_atomic(root / LATEST, final.name + "\n", durable=True)
     steps = {checkpoint_step(p): p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)}
     kept = retained_steps(list(steps), step, keep_last, keep_every)
     for old_step, path in steps.items():

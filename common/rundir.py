@@ -104,14 +104,29 @@ def write_json_atomic(path: str | Path, data: Any) -> Path:
     return path
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write text through a temporary file and ``os.replace``."""
+def write_text_atomic(path: str | Path, text: str, durable: bool = False) -> Path:
+    """Write text through a temporary file and ``os.replace``; ``durable``: on disk (fsynced) when this returns."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
     os.replace(tmp, path)
+    if durable:
+        fsync_path(path.parent)  # the rename itself
     return path
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush one file or folder (its entries) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def package_versions() -> dict[str, str | None]:

@@ -11,6 +11,7 @@ A write is held in flight deterministically by a state object whose pickling wai
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from pathlib import Path
@@ -146,3 +147,40 @@ def test_the_next_snapshot_reuses_the_host_tensors_of_the_last():
     assert second["w"].tolist() == [2.0] * 8 and nbytes == 32
     other, _ = snapshot({"w": torch.zeros(4)}, pool, ("states.pt",))  # another shape: a tensor of its own
     assert other["w"].data_ptr() != first["w"].data_ptr()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_every_file_the_rename_and_latest_are_on_disk_before_latest_names_the_step(tmp_path, monkeypatch, asynchronous):
+    """A power loss after ``latest`` moved must find the files it names: each fsync is recorded (by the path behind
+    the descriptor) together with what ``latest`` said at that moment."""
+    real_fsync, synced = os.fsync, []
+    pointer = tmp_path / "checkpoints" / "latest"
+
+    def recording_fsync(fd: int) -> None:
+        latest = pointer.read_text().strip() if pointer.exists() else None
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), latest))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    kind = AsyncCheckpointer if asynchronous else Checkpointer
+    checkpointer = kind(tmp_path, 0, 1, keep_last=1, keep_every=0, barrier=no_barrier)
+    if asynchronous:
+        checkpointer.save(2, writer(checkpointer, {"w": torch.ones(2)}))
+    else:
+
+        def write(folder: Path) -> None:
+            (folder / "tag").mkdir(parents=True)
+            torch.save({"w": torch.ones(2)}, folder / "tag" / "rank0_states.pt")
+
+        checkpointer.save(2, write)
+    checkpointer.finish()
+    assert latest_checkpoint(tmp_path).name == "step_000002"
+    before_latest = {path for path, latest in synced if latest is None}
+    tmp = tmp_path / "checkpoints" / ".tmp-step_000002"
+    written = {
+        str(tmp / p.relative_to(tmp_path / "checkpoints" / "step_000002"))
+        for p in (tmp_path / "checkpoints" / "step_000002").rglob("*")
+    }
+    assert written and written <= before_latest  # every file and folder of the checkpoint
+    assert str(tmp_path / "checkpoints") in before_latest  # the rename into step_000002
+    assert any(Path(path).name.startswith(".latest.tmp") for path in before_latest)  # the pointer's own bytes

@@ -37,6 +37,7 @@ RESULTS_BENCH = {
     "offload_time.json": "offload_time.py",
     "science_errors.json": "science_errors.py",
     "checkpoint.json": "checkpoint.py",
+    "checkpoint_bytes.json": "checkpoint_bytes.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 
