@@ -88,3 +88,21 @@ def accelerate_launch(
 
 def read_json(path: Path):
     return json.loads(Path(path).read_text())
+
+
+def check_async_saves(out_dir: Path, saved_steps: list[int], world_size: int = 2) -> Path:
+    """A run with ``async_save=true``: ``latest`` names the last save and holds every rank's ``.written-rank``
+    marker (the background writers wrote and flushed it before rank 0 published), nothing is left in flight, and
+    each save logged ``checkpoint_blocked_s``. Returns the published folder."""
+    from common.async_checkpoint import MARKER
+    from common.checkpoint import latest_checkpoint
+    from common.rundir import read_metrics
+
+    latest = latest_checkpoint(out_dir)
+    assert latest is not None and latest.name == f"step_{saved_steps[-1]:06d}", latest
+    markers = sorted(p.name for p in latest.glob(f"{MARKER}*"))
+    assert markers == [f"{MARKER}{rank:05d}" for rank in range(world_size)], markers
+    assert not list((Path(out_dir) / "checkpoints").glob(".tmp-*"))  # every write finished before the run ended
+    blocked = [(r["step"], r["checkpoint_blocked_s"]) for r in read_metrics(out_dir) if "checkpoint_blocked_s" in r]
+    assert [step for step, _ in blocked] == saved_steps and all(s >= 0 for _, s in blocked), blocked
+    return latest

@@ -28,6 +28,7 @@ The keys are in ``finetune_config.py``; the model (``build_lora_model``), data, 
 from __future__ import annotations
 
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -61,7 +62,7 @@ from finetuning import (
 )
 
 from common.accounting import model_state_bytes
-from common.async_checkpoint import Checkpointer
+from common.async_checkpoint import make_checkpointer
 from common.checkpoint import (
     CHECKPOINTS,
     checkpoint_step,
@@ -142,10 +143,8 @@ class LoRAFinetune(L.LightningModule):
 
     def on_train_start(self) -> None:
         cfg, strategy = self.cfg, self.trainer.strategy
-        world_size = self.trainer.world_size
-        self.checkpointer = Checkpointer(
-            cfg.out_dir, self.global_rank, world_size, cfg.keep_last, cfg.keep_every, strategy.barrier
-        )
+        self.checkpointer = make_checkpointer(cfg, self.global_rank, self.trainer.world_size, strategy.barrier)
+        self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
         self.val_batches = val_batches(self.data, self.cfg, self.global_rank, self.trainer.world_size)
         if self.start_step == 0:
             self.evaluate(0)
@@ -178,15 +177,19 @@ class LoRAFinetune(L.LightningModule):
 
     def save(self, step: int) -> None:
         # Every rank writes its shards (adapters and their optimizer state only) into a temporary folder, rank 0
-        # the base's reference too; rank 0 publishes it once all are done.
+        # the base's reference too; rank 0 publishes it once all are done. The reference goes first: DeepSpeed's
+        # save opens with a barrier, so with async_save no rank's writer thread lists the folder (to fsync it)
+        # while the reference's temporary file is there.
         def write(folder: Path) -> None:
-            self.trainer.save_checkpoint(folder)
             if self.trainer.is_global_zero:
                 write_base_reference(folder, self.base)
+            self.trainer.save_checkpoint(folder)
 
         self.checkpointer.save(step, write)
+        self.log_file.log(step, checkpoint_blocked_s=self.checkpointer.blocked_s[-1])
 
     def on_train_end(self) -> None:
+        self.checkpointer.finish()  # async_save: the last checkpoint written and published before the export
         # Collective work first (every rank): logits on a fixed batch, whole weights gathered one at a time.
         cfg, rank = self.cfg, self.global_rank
         self.model.eval()
@@ -257,7 +260,7 @@ def main() -> None:
     start_step = checkpoint_step(latest) if latest else 0
 
     module = LoRAFinetune(cfg, data, ds_config, attention, module_names, base_val_accuracy, base, start_step, clock)
-    trainer_kwargs = lightning_trainer_kwargs(ds_config)
+    trainer_kwargs = lightning_trainer_kwargs(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))
     trainer_kwargs["strategy"].exclude_frozen_parameters = True  # the frozen base is model=, not checkpoint state
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ from finetuning import (
 from tqdm.auto import tqdm
 
 from common.accounting import model_state_bytes
-from common.async_checkpoint import Checkpointer
+from common.async_checkpoint import make_checkpointer
 from common.checkpoint import (
     CHECKPOINTS,
     checkpoint_step,
@@ -72,10 +73,11 @@ warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is depre
 
 def write_checkpoint(accelerator: Accelerator, folder: Path, base: dict) -> None:
     """Every rank writes its shards (adapters and their optimizer state, no frozen weights); rank 0 adds the base's
-    reference (its files' hashes)."""
-    accelerator.save_state(str(folder), exclude_frozen_parameters=True)
+    reference (its files' hashes) first: DeepSpeed's save opens with a barrier, so with async_save no rank's writer
+    thread lists the folder (to fsync it) while the reference's temporary file is there."""
     if accelerator.is_main_process:
         write_base_reference(folder, base)
+    accelerator.save_state(str(folder), exclude_frozen_parameters=True)
 
 
 @exit_on_user_error(DataError, ModelError)
@@ -112,7 +114,7 @@ def main() -> None:
         print(f"base model exact match on the held-out set: {base_val_accuracy:.3f}", flush=True)
 
     # --- DeepSpeed through Accelerate; ZeRO-3's partitioned construction is on from here ---
-    accelerator = Accelerator(**accelerator_kwargs(ds_config))
+    accelerator = Accelerator(**accelerator_kwargs(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s)))
     rank, device, main_process = accelerator.process_index, accelerator.device, accelerator.is_main_process
     model = build_lora_model(cfg, attention, module_names)
     optimizer = make_optimizer(
@@ -121,7 +123,8 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))  # stepped once per optimizer step
     engine, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    checkpointer = Checkpointer(out_dir, rank, world_size, cfg.keep_last, cfg.keep_every, accelerator.wait_for_everyone)
+    checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
+    checkpointer.install(engine)  # async_save: DeepSpeed's files go through it
 
     start_step = 0
     if cfg.resume:
@@ -175,8 +178,10 @@ def main() -> None:
             engine.train()
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             checkpointer.save(step, lambda folder: write_checkpoint(accelerator, folder, base))  # rank 0 publishes
+            log.log(step, checkpoint_blocked_s=checkpointer.blocked_s[-1])
         clock.skip()
     bar.close()
+    checkpointer.finish()  # async_save: the last checkpoint written and published before the export
 
     # --- export: logits on a fixed batch and whole weights (collective), then adapter/, merged/ on rank 0 ---
     engine.eval()

@@ -48,6 +48,7 @@ class FinetuneConfig:
     devices: int = 0  # 0: every GPU, or 2 CPU processes without a GPU (Lightning; Accelerate takes its launcher's)
     num_nodes: int = 1
     seed: int = 0
+    collective_timeout_s: int = 900  # a rank waiting this long in a collective fails: a dead rank stops the others
     # --- DeepSpeed ---
     preset: str = "finetune"  # ZeRO-3 over the frozen base; preset=deepspeed_stage_2 keeps whole weights per rank
     precision: str = "bf16"  # bf16, fp16 or fp32
@@ -83,11 +84,12 @@ class FinetuneConfig:
     checkpoint_interval: int = 100
     keep_last: int = 2  # newest complete checkpoints kept; older ones are deleted once a newer one is published
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, for good (0 = off)
+    async_save: bool = False  # training waits only for a host-memory snapshot; the disk write runs behind it
     log_interval: int = 10
 
     def __post_init__(self) -> None:
         positive = "max_steps num_nodes micro_batch_size grad_accum seq_len lora_r n_train n_val max_new_tokens"
-        for name in (positive + " eval_interval checkpoint_interval log_interval").split():
+        for name in (positive + " eval_interval checkpoint_interval log_interval collective_timeout_s").split():
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("devices", "warmup_steps"):

@@ -109,6 +109,7 @@ class ScienceConfig:
     checkpoint_interval: int = 500
     keep_last: int = 2  # newest complete checkpoints kept; older ones are deleted once a newer one is published
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, for good (0 = off)
+    async_save: bool = False  # training waits only for a host-memory snapshot; the disk write runs behind it
     log_interval: int = 10
     trust_remote_code: bool = False  # no hub models here; kept for the common key set
 

@@ -49,7 +49,7 @@ from operator_learning import (  # next to this script: data, model, evaluation,
 )
 from science_config import DEFAULT_CONFIG, ScienceConfig
 
-from common.async_checkpoint import Checkpointer
+from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
 from common.errors import exit_on_user_error
@@ -97,11 +97,9 @@ class OperatorLearning(L.LightningModule):
         self.metrics = MetricsLog(self.out_dir, enabled=self.global_rank == 0)
 
     def on_train_start(self) -> None:
-        cfg, world_size = self.cfg, self.trainer.world_size
-        barrier = self.trainer.strategy.barrier
-        self.checkpointer = Checkpointer(
-            self.out_dir, self.global_rank, world_size, cfg.keep_last, cfg.keep_every, barrier
-        )
+        cfg, strategy = self.cfg, self.trainer.strategy
+        self.checkpointer = make_checkpointer(cfg, self.global_rank, self.trainer.world_size, strategy.barrier)
+        self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
         if self.start_step == 0:  # the untrained model's error: where the curve starts
             error = evaluate(self.net, self.data.x_test, self.data.y_test, self.global_rank, self.trainer.world_size)
             self.metrics.log(0, val_rel_l2=error)
@@ -149,10 +147,12 @@ class OperatorLearning(L.LightningModule):
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
             self.checkpointer.save(step, self.trainer.save_checkpoint)
+            self.metrics.log(step, checkpoint_blocked_s=self.checkpointer.blocked_s[-1])
         self.clock.skip()
 
     def on_train_end(self) -> None:
         """Final evaluation (also at the finer grid), figures and exported weights; the summary is kept for main()."""
+        self.checkpointer.finish()  # async_save: the last checkpoint written and published before the export
         self.summary = finish(
             self.cfg,
             self.trainer.strategy.config,

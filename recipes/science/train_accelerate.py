@@ -37,7 +37,7 @@ from operator_learning import (  # next to this script: data, model, evaluation,
 from science_config import DEFAULT_CONFIG, ScienceConfig
 from tqdm.auto import tqdm
 
-from common.async_checkpoint import Checkpointer
+from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
 from common.metrics import Clock
@@ -89,8 +89,8 @@ def main() -> None:
     accelerator.register_for_checkpointing(scheduler)
     # The DataLoader is not prepared either: StepSampler already gives each rank its slice (exact on resume).
     model, optimizer = accelerator.prepare(net, optimizer)
-    barrier = accelerator.wait_for_everyone
-    checkpointer = Checkpointer(out_dir, rank, world_size, cfg.keep_last, cfg.keep_every, barrier)
+    checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
+    checkpointer.install(model)  # async_save: DeepSpeed's files go through it
     if resume is not None:
         with param_groups_kept(optimizer):  # DeepSpeed's ZeRO-3 universal load flattens the groups' settings
             accelerator.load_state(str(resume.load_path))  # DeepSpeed shards and optimizer, the scheduler, RNG
@@ -128,8 +128,10 @@ def main() -> None:
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
             checkpointer.save(step, lambda folder: accelerator.save_state(str(folder)))
+            metrics.log(step, checkpoint_blocked_s=checkpointer.blocked_s[-1])
         clock.skip()
     bar.close()
+    checkpointer.finish()  # async_save: the last checkpoint written and published before the export
 
     summary = finish(
         cfg,

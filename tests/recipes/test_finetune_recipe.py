@@ -17,6 +17,8 @@ loss on the same files, in the test) and trains 150 steps, so that it also backs
 - model states per rank (``model_state_bytes_per_rank``, ZeRO-3 + full checkpointing + LoRA: DeepSpeed #8148's
   case) within 5 % of ``zero-recipes estimate --lora-rank 4`` for the same model and 2 ranks;
 - ``resume=true`` continues from the checkpoint (steps after it are logged, the step before it is not redone);
+- checkpoints are saved with ``async_save=true``: the published folder holds every rank's ``.written-rank`` marker
+  and ``base_model.json``, and each save logged ``checkpoint_blocked_s``;
 - bad input (missing base model, malformed JSONL line, unknown target module, FlashAttention on a CPU) is one
   ``error:`` line, exit code 2, and no run directory;
 - ``--describe`` prints one JSON object whose model facts are the saved base model's (counted here on its real
@@ -37,7 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _util import PYTHON, REPO, accelerate_launch, read_json, run
+from _util import PYTHON, REPO, accelerate_launch, check_async_saves, read_json, run
 
 RECIPE = REPO / "recipes" / "nlp"
 FINETUNE = RECIPE / "finetune.py"
@@ -58,8 +60,10 @@ SUMMARY_KEYS = {
     "checkpoint_bytes",
     "checkpoint_fraction_of_full",
 }
-# Small but real: 4 steps of 2 examples per rank, LoRA r 4 on every projection, every adapter matrix partitioned.
+# Small but real: 4 steps of 2 examples per rank, LoRA r 4 on every projection, every adapter matrix partitioned;
+# checkpoints written in the background (async_save), base_model.json with them.
 TINY = [
+    "async_save=true",
     "n_train=64",
     "n_val=8",
     "micro_batch_size=2",
@@ -313,6 +317,12 @@ def check_run(out_dir: Path, base_model: Path, backend: str) -> dict:
     return summary
 
 
+def check_checkpoints(out_dir: Path, saved_steps: list[int]) -> None:
+    """Published by the background writers of every rank, with the frozen base's reference (compared on resume)."""
+    latest = check_async_saves(out_dir, saved_steps)
+    assert read_json(latest / "base_model.json")["sha256"], latest
+
+
 def check_resume(out_dir: Path, proc, first_steps: int = 4) -> None:
     from common.rundir import read_metrics
 
@@ -405,12 +415,14 @@ def test_lightning_zero3_lora_learns_the_task_saves_whole_adapters_and_resumes(t
     out_dir = tmp_path / "run"
     lightning([f"out_dir={out_dir}", f"model={base}", *LEARN])
     summary = check_run(out_dir, base, "lightning")
+    check_checkpoints(out_dir, [50, 100, LEARN_STEPS])
     check_gain(out_dir, base, summary)
     check_state_bytes_against_the_planner(base, summary)
     resume = [f"max_steps={LEARN_STEPS + 2}", "resume=true"]
     proc = lightning([f"out_dir={out_dir}", f"model={base}", *LEARN, *resume])
     check_resume(out_dir, proc, LEARN_STEPS)
     check_run(out_dir, base, "lightning")
+    check_checkpoints(out_dir, [50, 100, LEARN_STEPS, LEARN_STEPS + 2])
     check_refused_on_a_changed_base(
         lightning, out_dir, base, [*LEARN, f"max_steps={LEARN_STEPS + 4}", "resume=true"], 2
     )
@@ -422,6 +434,7 @@ def test_accelerate_zero3_lora_saves_whole_adapters_and_resumes(tmp_path, base_m
     out_dir = tmp_path / "run"
     accelerate([f"out_dir={out_dir}", f"model={base_model}", *TINY])
     check_run(out_dir, base_model, "accelerate")
+    check_checkpoints(out_dir, [2, 4])
     # What --describe tells the tools is what the run used.
     described = json.loads(describe(FINETUNE_ACCELERATE, [f"out_dir={out_dir}", f"model={base_model}", *TINY]).stdout)
     assert described["ds_config"] == read_json(out_dir / "ds_config.json")
@@ -429,4 +442,5 @@ def test_accelerate_zero3_lora_saves_whole_adapters_and_resumes(tmp_path, base_m
     proc = accelerate([f"out_dir={out_dir}", f"model={base_model}", *TINY, "max_steps=6", "resume=true"])
     check_resume(out_dir, proc)
     check_run(out_dir, base_model, "accelerate")
+    check_checkpoints(out_dir, [2, 4, 6])
     check_refused_on_a_changed_base(accelerate, out_dir, base_model, [*TINY, "max_steps=8", "resume=true"], 1)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from _util import PYTHON, REPO, accelerate_launch, read_json, run
+from _util import PYTHON, REPO, accelerate_launch, check_async_saves, read_json, run
 from safetensors.torch import load_file
 
 from common.accounting import predicted_model_state_bytes
@@ -301,8 +301,10 @@ def test_bf16_zero2_run_writes_a_complete_run_directory(tmp_path, cache_dir, bac
     out_dir = tmp_path / "run"
     # Burgers with shocks: the public generator's field at viscosity 1e-3, solved on 1,024 points.
     shocks = {"viscosity": 0.001, "initial_field": "public_generator", "solve_grid": 1024, "lr": 0.01}
-    launch(backend, overrides(out_dir, cache_dir, max_steps=8, checkpoint_interval=4, **shocks))
+    # async_save: both checkpoints are written in the background and the last is published before final/.
+    launch(backend, overrides(out_dir, cache_dir, max_steps=8, checkpoint_interval=4, async_save="true", **shocks))
     check_bf16_zero2_run(out_dir, backend, max_steps=8)
+    check_async_saves(out_dir, saved_steps=[4, 8])
 
 
 @pytest.mark.slow
