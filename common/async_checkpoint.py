@@ -24,6 +24,7 @@ it; ``FastCheckpointEngine`` writes faster but synchronously. DataStates is not 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import queue
@@ -81,9 +82,14 @@ def snapshot(state: Any, pool: dict | None = None, key: tuple = ()) -> tuple[Any
 
 
 def fsync_tree(folder: Path) -> None:
-    """Flush every file under ``folder`` and the folders themselves to disk."""
+    """Flush every file under ``folder`` and the folders themselves to disk.
+
+    A file listed but gone by the time it is opened was a temporary one renamed into place by its writer (an atomic
+    write); the file it became is listed too, or was flushed with its folder.
+    """
     for path in sorted(folder.rglob("*"), reverse=True):
-        fsync_path(path)
+        with contextlib.suppress(FileNotFoundError):
+            fsync_path(path)
     fsync_path(folder)
 
 

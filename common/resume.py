@@ -52,6 +52,7 @@ RESUMABLE_KEYS = frozenset(
         "checkpoint_interval",
         "keep_last",
         "keep_every",
+        "async_save",  # how saves are written, not what they hold
         "log_interval",
         "collective_timeout_s",
         "data_workers",

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _util import PYTHON, REPO, accelerate_launch, read_json, run
+from _util import PYTHON, REPO, accelerate_launch, check_async_saves, read_json, run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import config_to_dict, load_config
@@ -322,6 +322,7 @@ def test_lightning_run_writes_the_run_directory_and_a_loadable_final(lightning_r
     assert "memory plan: ZeRO-3" in proc.stdout and "memory measured" in proc.stdout
     assert proc.stdout.index("memory plan") < proc.stdout.index("step 0: val_loss")
     summary = check_run_dir(out_dir, "lightning")
+    check_async_saves(out_dir, saved_steps=[2, 4])  # async_save=true: written in the background, published
     check_final_loads(out_dir, corpus, summary)
 
 
@@ -330,6 +331,7 @@ def test_accelerate_run_writes_the_same_run_directory_and_trains_the_same(accele
     out_dir, proc = accelerate_run
     assert "memory plan: ZeRO-3" in proc.stdout
     summary = check_run_dir(out_dir, "accelerate")
+    check_async_saves(out_dir, saved_steps=[2, 4])  # async_save=true: written in the background, published
     check_final_loads(out_dir, corpus, summary)
     assert set(summary) == set(read_json(lightning_run[0] / "summary.json"))
     # One factory, one init, one data order: both backends compute the same steps.

@@ -331,7 +331,14 @@ def test_config_differences_ignore_the_keys_a_resume_may_change():
     saved = {"model": "tiny", "max_steps": 10, "devices": 2, "lr": 3e-3}
     current = {"model": "tiny", "max_steps": 20, "devices": 4, "lr": 1e-3, "new_key": 1}
     assert config_differences(saved, current) == ["lr: 0.003 -> 0.001", "new_key: '<not set>' -> 1"]
-    assert {"max_steps", "devices", "micro_batch_size", "grad_accum", "collective_timeout_s"} <= RESUMABLE_KEYS
+    assert {
+        "max_steps",
+        "devices",
+        "micro_batch_size",
+        "grad_accum",
+        "collective_timeout_s",
+        "async_save",
+    } <= RESUMABLE_KEYS
     assert not {"model", "precision", "preset", "seed", "data"} & RESUMABLE_KEYS
 
 
