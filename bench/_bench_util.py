@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import json
@@ -11,6 +12,7 @@ import shlex
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from common.metrics import median  # noqa: F401  (re-exported for the benches)
@@ -195,3 +197,26 @@ def publish_sections(
     machine = machine or f"this machine: {provenance_['cpu_count']} CPU cores, shared"
     for name, body in sections.items():
         write_section(name, command, date, body, doc=docs.get(name, DOC), machine=machine)
+
+
+def add_results_options(parser: argparse.ArgumentParser, results: Path) -> None:
+    """``--json``, ``--no-doc`` and ``--render``: where the results go, and whether the docs follow them."""
+    parser.add_argument("--json", type=Path, default=results, help="results file (default %(default)s)")
+    parser.add_argument("--no-doc", action="store_true", help="do not write the docs")
+    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
+
+
+def render_from_file(path: Path, render_sections: Callable[[dict], dict[str, str]], docs: dict[str, Path]) -> None:
+    """``--render``: the docs rewritten from a results file alone."""
+    document = load_document(path)
+    publish_sections(render_sections(document), document["provenance"], docs)
+
+
+def save_and_publish(
+    args: argparse.Namespace, results: dict, render_sections: Callable[[dict], dict[str, str]], docs: dict[str, Path]
+) -> dict:
+    """Write ``results`` to ``args.json`` (with provenance) and, unless ``--no-doc``, render the docs from it."""
+    document = write_results(args.json, results)
+    if not args.no_doc:
+        publish_sections(render_sections(document), document["provenance"], docs)
+    return document

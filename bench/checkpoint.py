@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench._bench_util import REPO, launch_group, load_document, publish_sections, spread, write_results  # noqa: E402
+from bench._bench_util import REPO, add_results_options, launch_group, render_from_file, save_and_publish, spread  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 
 RESULTS = HERE / "results" / "checkpoint.json"
@@ -268,9 +268,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="process counts for scaling")
     parser.add_argument("--smaller-sizes", type=int, choices=(0, 1, 2), default=2, help="smaller models for scaling")
     parser.add_argument("--work-dir", default=None, help="where checkpoints are written (default: a temp folder)")
-    parser.add_argument("--json", type=Path, default=RESULTS, help="results file (default %(default)s)")
-    parser.add_argument("--no-doc", action="store_true", help="do not write the docs")
-    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
+    add_results_options(parser, RESULTS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one rank
     parser.add_argument("--scaling-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -280,8 +278,7 @@ def main() -> None:
         worker(args)
         return
     if args.render:
-        document = load_document(args.json)
-        publish_sections(render_sections(document), document["provenance"], DOCS)
+        render_from_file(args.json, render_sections, DOCS)
         return
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-checkpoint-bench-"))
@@ -295,10 +292,8 @@ def main() -> None:
     middle = smaller[-1] if smaller else (hidden, layers)
     scaling += [run_group(args, work, *middle, p, scaling=True) for p in args.processes if p != 2]
     results = {"stall": stall, "summary": summarize(stall), "scaling": scaling}
-    document = write_results(args.json, results)
     print(render_body(results))
-    if not args.no_doc:
-        publish_sections(render_sections(document), document["provenance"], DOCS)
+    save_and_publish(args, results, render_sections, DOCS)
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
 

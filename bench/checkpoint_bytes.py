@@ -37,7 +37,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 
-from bench._bench_util import REPO, bench_env, load_document, publish_sections, write_results  # noqa: E402
+from bench._bench_util import REPO, add_results_options, bench_env, render_from_file, save_and_publish  # noqa: E402
 from common.checkpoint import checkpoint_step, latest_checkpoint  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 
@@ -291,21 +291,16 @@ def render_sections(document: dict) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default=None, help="where the runs are written (default: a temp folder)")
-    parser.add_argument("--json", type=Path, default=RESULTS, help="results file (default %(default)s)")
-    parser.add_argument("--no-doc", action="store_true", help="do not write the docs")
-    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
+    add_results_options(parser, RESULTS)
     args = parser.parse_args()
     if args.render:
-        document = load_document(args.json)
-        publish_sections(render_sections(document), document["provenance"], DOCS)
+        render_from_file(args.json, render_sections, DOCS)
         return
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-checkpoint-bytes-"))
     results = measure(work)
     results["summary"] = summarize(results)
-    document = write_results(args.json, results)
     print(render_body(results))
-    if not args.no_doc:
-        publish_sections(render_sections(document), document["provenance"], DOCS)
+    save_and_publish(args, results, render_sections, DOCS)
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
 

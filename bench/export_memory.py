@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench._bench_util import DOC, REPO, launch_group, load_document, publish_sections, write_results  # noqa: E402
+from bench._bench_util import DOC, REPO, add_results_options, launch_group, render_from_file, save_and_publish  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 
 SHARD_SIZES = ("5GB", "1GB", "200MB")
@@ -257,17 +257,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--work-dir", default=None, help="where the checkpoint is written (default: a temp folder)")
-    parser.add_argument("--json", type=Path, default=RESULTS, help="results file (default %(default)s)")
-    parser.add_argument("--no-doc", action="store_true", help="do not write the docs")
-    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
+    add_results_options(parser, RESULTS)
     parser.add_argument("--make-checkpoint", default=None, help=argparse.SUPPRESS)  # the rank worker's mode
     args = parser.parse_args()
     if args.make_checkpoint:
         make_checkpoint(args)
         return
     if args.render:
-        document = load_document(args.json)
-        publish_sections(render_sections(document), document["provenance"], DOCS)
+        render_from_file(args.json, render_sections, DOCS)
         return
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-export-bench-"))
@@ -294,10 +291,8 @@ def main() -> None:
         "imports_peak_rss_bytes": peak_rss([sys.executable, "-c", IMPORTS_ONLY])[0],
         "rows": measure_converters(checkpoint, work),
     }
-    document = write_results(args.json, results)
     print(benchmarks_body(results))
-    if not args.no_doc:
-        publish_sections(render_sections(document), document["provenance"], DOCS)
+    save_and_publish(args, results, render_sections, DOCS)
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
 

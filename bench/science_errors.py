@@ -33,12 +33,13 @@ sys.path.insert(0, str(HERE.parent))
 
 from bench._bench_util import (  # noqa: E402
     REPO,
+    add_results_options,
     bench_env,
     free_port,
     git_commit,
     load_document,
-    publish_sections,
-    write_results,
+    render_from_file,
+    save_and_publish,
 )
 from common.errors import exit_on_user_error  # noqa: E402
 
@@ -202,13 +203,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=CPU_RUNS, help="rows to (re)measure")
     parser.add_argument("--solver-samples", type=int, default=4, help="samples of the solvers' refinement check")
-    parser.add_argument("--json", type=Path, default=RESULTS, help="results file (default %(default)s)")
-    parser.add_argument("--no-doc", action="store_true", help="do not write the docs")
-    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
+    add_results_options(parser, RESULTS)
     args = parser.parse_args()
     if args.render:
-        document = load_document(args.json)
-        publish_sections(render_sections(document), document["provenance"], DOCS)
+        render_from_file(args.json, render_sections, DOCS)
         return
     kept = {}
     if args.json.exists() and set(args.runs) != set(CPU_RUNS):  # a partial rerun keeps the other rows
@@ -225,11 +223,9 @@ def main() -> None:
         "world_size": rows[order[0]]["world_size"],
         "solvers": solver_errors(args.solver_samples),
     }
-    document = write_results(args.json, results)
     print(problems_body(results))
     print(solvers_body(results))
-    if not args.no_doc:
-        publish_sections(render_sections(document), document["provenance"], DOCS)
+    save_and_publish(args, results, render_sections, DOCS)
 
 
 if __name__ == "__main__":
