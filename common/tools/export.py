@@ -48,6 +48,7 @@ from common.strategy import torch_dtype
 EXPORT_DTYPES = ("fp32", "bf16")  # what a consolidated model is written in (common.strategy.torch_dtype)
 INDEX_NAME = "model.safetensors.index.json"
 WEIGHT_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+_TP_SLICE = re.compile(r"mp_rank_(\d+)_(?:model|optim)_states\.pt$")
 _OPTIM_FILE = re.compile(r"^(?:\w+_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
@@ -268,6 +269,13 @@ def _optimizer_files(tag_dir: Path, world_size: int) -> list[Path]:
 def open_checkpoint(path: str | Path) -> ZeroCheckpoint:
     """Resolve ``path``, read the structure of every shard, and place every tensor (no tensor data is read)."""
     tag_dir, run_dir = locate(path)
+    slices = {match.group(1) for f in tag_dir.glob("*.pt") if (match := _TP_SLICE.search(f.name))}
+    if len(slices) > 1:
+        # AutoTP (the NLP recipe's tensor_parallel=N): each mp_rank_XX file holds a slice of every split matrix.
+        raise ConfigError(
+            f"{tag_dir} was written with tensor parallelism ({len(slices)} mp_rank slices): export reads "
+            "unsplit ZeRO checkpoints only; use the run's final/ folder (the recipe gathers the slices at the end)"
+        )
     model_file = sorted(tag_dir.glob("*_model_states.pt"))[0]  # rank 0's under ZeRO-3, the only one under 1/2
     first = load_structure(model_file)
     if "param_shapes" not in first or "buffer_names" not in first:

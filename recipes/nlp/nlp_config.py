@@ -49,6 +49,7 @@ class NLPConfig:
     preset: str = "nlp"  # ZeRO-3, stage3_param_persistence_threshold 1e6 (zero-recipes ls)
     precision: str = "bf16"  # bf16, fp16 or fp32 (fp32: exact arithmetic, used by the resume test)
     ds_overrides: list[str] = field(default_factory=list)  # DeepSpeed key=value, e.g. zero_optimization.stage=2
+    tensor_parallel: int = 1  # AutoTP: ranks that split every layer's matrices (Accelerate; ZeRO 0-2); DP = world / it
     activation_checkpointing: str = "none"  # none|full|every_k|selective|save_memory_optimized
     gradient_clipping: float = 1.0  # max gradient norm, 0 = off
     nvme_path: str = ""  # local NVMe folder the *_offload_nvme presets swap to ("": none)
@@ -84,7 +85,7 @@ class NLPConfig:
 
     def __post_init__(self) -> None:
         positive = "max_steps num_nodes micro_batch_size grad_accum seq_len vocab_size eval_interval log_interval"
-        positive += " checkpoint_interval collective_timeout_s"
+        positive += " checkpoint_interval collective_timeout_s tensor_parallel"
         for name in positive.split():
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -26,6 +26,7 @@ from common.checkpoint import gather_full_state_dict, save_hf_model
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
 from common.describe import RecipeDescription, local_world, persistent_elements
+from common.errors import ConfigError
 from common.lint import lint_at_start
 from common.memory_formulas import facts_from_model_config
 from common.metrics import Clock, all_reduce, gpu_peak_flops, memory_kind, mfu, peak_memory_bytes, throughput
@@ -161,7 +162,69 @@ def deepspeed_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[
         gradient_clipping=cfg.gradient_clipping,
         nvme_path=cfg.nvme_path or None,
     )
-    return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
+    ds_config = resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
+    if cfg.tensor_parallel > 1:
+        # AutoTP shards the model inside deepspeed.initialize. train_batch_size stays unset: DeepSpeed derives it
+        # as micro x accumulation x world size (not the data-parallel size) and refuses any other value.
+        ds_config["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel}
+        ds_config.pop("train_batch_size", None)
+    return ds_config
+
+
+def check_tensor_parallel(cfg: NLPConfig, world_size: int, config: Any, ds_config: dict[str, Any]) -> None:
+    """Refuse a ``tensor_parallel`` the run cannot use, before any work (one ConfigError naming the fix).
+
+    AutoTP splits attention by heads (query and key/value) and the MLP by its intermediate size, so the degree must
+    divide all three; it must divide the ranks too (DeepSpeed builds a data x tensor parallel mesh).
+    """
+    tp = cfg.tensor_parallel
+    if tp == 1:
+        return
+    if world_size % tp:
+        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        raise ConfigError(
+            f"tensor_parallel={tp} does not divide the {world_size} rank(s) (world = tensor_parallel x data "
+            f"parallel); use one of {divisors}"
+        )
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name, None) or (config.num_attention_heads if name == "num_key_value_heads" else None)
+        if value is not None and value % tp:
+            raise ConfigError(f"tensor_parallel={tp} does not divide the model's {name} ({value})")
+    if zero_stage(ds_config) == 3:
+        raise ConfigError(
+            f"tensor_parallel={tp} runs with ZeRO stages 0-2 here (the export gathers tensor-parallel shards, not "
+            "ZeRO-3 partitions as well); use preset=deepspeed_stage_1 or deepspeed_stage_2"
+        )
+
+
+def data_parallel(cfg: NLPConfig, rank: int, world_size: int) -> tuple[int, int]:
+    """This rank's (data-parallel rank, data-parallel size): the replica whose batches it reads.
+
+    DeepSpeed's AutoTP mesh is (data parallel, tensor parallel), row-major (``groups._init_tp_mesh_device``):
+    ranks ``r * tp .. r * tp + tp - 1`` form replica ``r``'s tensor-parallel group and must read the same batch
+    (:func:`check_mesh` verifies it on the engine).
+    """
+    return rank // cfg.tensor_parallel, world_size // cfg.tensor_parallel
+
+
+def check_mesh(cfg: NLPConfig, rank: int, world_size: int) -> None:
+    """After ``deepspeed.initialize``: DeepSpeed's tensor- and data-parallel groups are those :func:`data_parallel`
+    assumed (else every replica would train on the wrong batches)."""
+    if cfg.tensor_parallel == 1:
+        return
+    from deepspeed.utils import groups
+
+    dp_rank, dp_size = data_parallel(cfg, rank, world_size)
+    found = (
+        groups.get_tensor_model_parallel_rank(),
+        groups._get_data_parallel_rank(),
+        groups._get_data_parallel_world_size(),
+    )
+    if found != (rank % cfg.tensor_parallel, dp_rank, dp_size):
+        raise RuntimeError(
+            f"rank {rank}: DeepSpeed's mesh gives (tp rank, dp rank, dp size) {found}, the data loading assumed "
+            f"{(rank % cfg.tensor_parallel, dp_rank, dp_size)}"
+        )
 
 
 def resolve_ds_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[str, Any]:
@@ -321,6 +384,7 @@ def describe(cfg: NLPConfig) -> RecipeDescription:
     config = model_config(cfg, load_tokenizer(source) if source else None)
     facts = facts_from_model_config(config, source=f"recipe nlp (model={cfg.model})")
     ds_config = deepspeed_config(cfg, world_size, config.hidden_size)
+    check_tensor_parallel(cfg, world_size, config, ds_config)
     return RecipeDescription(
         recipe="nlp",
         config=config_to_dict(cfg),
@@ -462,6 +526,28 @@ class NLPSummary:
         )
 
 
+def gather_tensor_parallel_state_dict(module: torch.nn.Module, rank: int) -> dict[str, Any] | None:
+    """Whole weights of an AutoTP-sharded module (ZeRO 0-2) on rank 0, one layer at a time; None elsewhere.
+
+    Every rank must call it: ``GatherReplacedLayerParams`` all-gathers a replaced layer's shards over its
+    tensor-parallel group and re-shards them on exit (DeepSpeed's ``engine._replaced_tp_state_dict`` does the same).
+    """
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    state: dict[str, Any] = {}
+    for prefix, layer in module.named_modules():
+        params = list(layer.named_parameters(recurse=False))
+        with GatherReplacedLayerParams([p for _, p in params], layer, enabled=bool(params)):
+            if rank == 0:
+                for name, param in params:
+                    state[f"{prefix}.{name}" if prefix else name] = param.detach().to("cpu", copy=True)
+    if rank != 0:
+        return None
+    for name, buffer in module.named_buffers():
+        state[name] = buffer.detach().to("cpu", copy=True)
+    return state
+
+
 def finish(
     cfg: NLPConfig,
     ds_config: dict[str, Any],
@@ -495,12 +581,14 @@ def finish(
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=fixed[:, :-1].to(device), use_cache=False).logits.float().cpu()
-    state = gather_full_state_dict(model, rank)
+    gather = gather_tensor_parallel_state_dict if cfg.tensor_parallel > 1 else gather_full_state_dict
+    state = gather(model, rank)
     peak = int(all_reduce(torch.tensor(float(peak_memory_bytes()), device=device), "max").item())
     if rank != 0:
         return None
     export_check, sample = final_export(model, state, data.tokenizer, out_dir, fixed, logits, cfg, attention, device)
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len  # per rank
+    # Per rank: the ranks of a tensor-parallel group share their replica's tokens.
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / cfg.tensor_parallel
     tokens_per_s = tokens_per_step / clock.median_step()
     initial = initial_val_loss(out_dir)
     return NLPSummary(
@@ -523,7 +611,7 @@ def finish(
         model=cfg.model,
         backend=backend,
         steps=steps,
-        tokens_per_step=tokens_per_step * world_size,
+        tokens_per_step=round(tokens_per_step * world_size),
         median_step_s=round(clock.median_step(), 4),
         model_state_bytes_measured=model_states,
         memory_plan=plan,

@@ -60,7 +60,7 @@ from common.accounting import model_state_bytes
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
-from common.errors import exit_on_user_error
+from common.errors import ConfigError, exit_on_user_error
 from common.metrics import Clock, all_reduce
 from common.resume import find_resume_point, mark_universal, prepare_resume, with_universal_load
 from common.rundir import (
@@ -214,6 +214,11 @@ class CausalLM(L.LightningModule):
 @exit_on_user_error(DataError, ModelError)
 def main() -> None:
     cfg = parse_recipe_args(NLPConfig, DEFAULT_CONFIG, describe=describe)
+    if cfg.tensor_parallel > 1:
+        raise ConfigError(
+            f"tensor_parallel={cfg.tensor_parallel} runs under Accelerate only: accelerate launch --config_file "
+            "recipes/nlp/accelerate.yaml recipes/nlp/train_accelerate.py tensor_parallel=N"
+        )
     clock = Clock()
     on_gpu = torch.cuda.is_available()
     devices, num_nodes = local_world(cfg.devices, cfg.num_nodes)

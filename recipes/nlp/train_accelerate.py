@@ -30,6 +30,9 @@ from accelerate import Accelerator
 from nlp_config import DEFAULT_CONFIG, NLPConfig  # next to this script
 from pretraining import (  # next to this script: data, model, loss, evaluation, run files, summary
     build_model,
+    check_mesh,
+    check_tensor_parallel,
+    data_parallel,
     describe,
     eval_batches,
     evaluate,
@@ -54,7 +57,7 @@ from tqdm.auto import tqdm
 from common.accounting import model_state_bytes
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
-from common.errors import exit_on_user_error
+from common.errors import ConfigError, exit_on_user_error
 from common.metrics import Clock, all_reduce
 from common.resume import (
     find_resume_point,
@@ -80,12 +83,20 @@ def main() -> None:
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     # Every rank sees the same folder, so every rank stops with the same one-line error.
     refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)
-    # A different model or config, no complete checkpoint: refused here; another world size: a universal checkpoint.
-    resume = find_resume_point(out_dir, config_to_dict(cfg), world_size) if cfg.resume else None
-    start_step = resume.step if resume else 0
-
     # --- DeepSpeed through Accelerate: the factory's dict, with ZeRO-3's partitioned construction turned on ---
     ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
+    check_tensor_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
+    dp_rank, dp_size = data_parallel(cfg, int(os.environ.get("RANK", "0")), world_size)
+    # A different model or config (tensor_parallel too), no complete checkpoint: refused here; another data-parallel
+    # size: a universal checkpoint (its ZeRO shards are one per data-parallel rank).
+    resume = find_resume_point(out_dir, config_to_dict(cfg), dp_size) if cfg.resume else None
+    if resume and resume.universal and cfg.tensor_parallel > 1:
+        raise ConfigError(
+            f"resume with tensor_parallel={cfg.tensor_parallel} needs the data-parallel size the checkpoint was "
+            f"written with ({resume.saved_world_size}, now {dp_size}): a universal conversion of tensor-parallel "
+            "shards is not supported here"
+        )
+    start_step = resume.step if resume else 0
     load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
     accelerator = Accelerator(**accelerator_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s)))
     rank, device, main_process = accelerator.process_index, accelerator.device, accelerator.is_main_process
@@ -120,6 +131,7 @@ def main() -> None:
     # A plain LambdaLR stepped once per optimizer step (a prepared scheduler would step once per process).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, optimizer = accelerator.prepare(model, optimizer)
+    check_mesh(cfg, rank, world_size)  # tensor parallel: the groups data_parallel() assumed
     accelerator.register_for_checkpointing(scheduler)
     checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
     checkpointer.install(engine)  # async_save: DeepSpeed's files go through it
@@ -128,8 +140,9 @@ def main() -> None:
         with param_groups_kept(optimizer):  # DeepSpeed's ZeRO-3 universal load flattens the groups' settings
             accelerator.load_state(str(resume.load_path))
     # Not prepared: StepSampler already gives each rank its slice, in an order fixed by (seed, step).
-    loader = train_loader(data, cfg, rank, world_size, start_step)
-    val_batches = eval_batches(data, cfg, rank, world_size)
+    # Tensor parallel: every rank of a replica reads the replica's batches (DeepSpeed checks the first one).
+    loader = train_loader(data, cfg, dp_rank, dp_size, start_step)
+    val_batches = eval_batches(data, cfg, dp_rank, dp_size)
     log = MetricsLog(out_dir, enabled=main_process)
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not main_process, dynamic_ncols=True)
     val_loss, model_states = math.nan, {}
@@ -145,7 +158,7 @@ def main() -> None:
         return loss
 
     # --- training ---
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len  # per device
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / cfg.tensor_parallel  # per device
     if start_step == 0:
         val_loss = run_eval(0)
     engine.train()
@@ -170,7 +183,8 @@ def main() -> None:
             model_states = model_state_bytes(engine)
             say(measured_text(model_states))
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
-            # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
+            # Only on logging steps: the all-reduce and .item() are a collective and a host sync. The ranks of a
+            # tensor-parallel group hold their replica's loss, each counted once per rank: the mean over replicas.
             mean_loss = all_reduce(step_loss).item() / world_size
             bar.set_postfix(loss=f"{mean_loss:.3f}")
             log.log(

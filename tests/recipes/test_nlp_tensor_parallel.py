@@ -1,0 +1,117 @@
+"""``tensor_parallel=N`` in the NLP recipe (Accelerate entry point): DeepSpeed AutoTP with ZeRO 1, through the recipe.
+
+The equivalence run compares tensor parallel 2 on 2 processes (one data-parallel replica) with one process (one
+replica, no tensor parallelism): the same micro-batches, the same global batch, so fp32 losses agree to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from _util import PYTHON, REPO, accelerate_launch, read_json, run
+
+from common.config import config_to_dict, load_config
+from common.errors import ConfigError
+from common.resume import find_resume_point
+from common.rundir import read_metrics
+from common.tools.export import open_checkpoint
+
+RECIPE = REPO / "recipes" / "nlp"
+TRAIN = RECIPE / "train.py"
+TRAIN_ACCELERATE = RECIPE / "train_accelerate.py"
+STEPS = 5  # then a resume to STEPS + 2
+RUN = [
+    "data=stdlib",
+    "max_train_tokens=60000",
+    "preset=deepspeed_stage_1",
+    "precision=fp32",
+    f"max_steps={STEPS}",
+    "seq_len=64",
+    "micro_batch_size=2",
+    "max_val_tokens=1024",
+    f"eval_interval={STEPS}",
+    f"checkpoint_interval={STEPS}",
+    "log_interval=1",
+    "sample_tokens=4",
+    "warmup_steps=2",
+    "min_lr_ratio=1.0",  # constant after warmup: a run resumed with a larger max_steps keeps the same schedule
+]
+
+
+def one_error(proc) -> str:
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return errors[0]
+
+
+# --- fast: the combinations refused before any work ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["tensor_parallel=3", "devices=2"], "tensor_parallel=3 does not divide the 2 rank(s)"),
+        (["tensor_parallel=3", "devices=3"], "does not divide the model's num_attention_heads (4)"),
+        (["tensor_parallel=2"], "use preset=deepspeed_stage_1 or deepspeed_stage_2"),  # the default preset: ZeRO-3
+    ],
+    ids=["world", "heads", "zero3"],
+)
+def test_a_bad_tensor_parallel_is_one_clear_error(args, message):
+    error = one_error(run([PYTHON, TRAIN_ACCELERATE, "--describe", *args], timeout=300, check=False))
+    assert message in error, error
+    if "rank(s)" in message:
+        assert "use one of 1, 2" in error, error
+
+
+def test_lightning_refuses_tensor_parallel_and_names_the_accelerate_entry_point(tmp_path):
+    proc = run([PYTHON, TRAIN, f"out_dir={tmp_path / 'run'}", "tensor_parallel=2"], timeout=300, check=False)
+    assert "recipes/nlp/train_accelerate.py" in one_error(proc)
+    assert not (tmp_path / "run").exists()
+
+
+# --- slow: TP 2 trains like one process, exports one model, and refuses another TP degree on resume ---------
+
+
+def train_losses(out_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in read_metrics(out_dir) if "train_loss" in r}
+
+
+def launch(out_dir: Path, tp: int, processes: int, *extra: str) -> None:
+    args = [f"out_dir={out_dir}", f"tensor_parallel={tp}", *RUN, *extra]
+    accelerate_launch(TRAIN_ACCELERATE, args, RECIPE / "accelerate.yaml", num_processes=processes)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_trains_and_resumes_like_one_process(tmp_path):
+    runs = {2: tmp_path / "tp2", 1: tmp_path / "tp1"}
+    launch(runs[2], 2, 2)  # STEPS steps, then resumed from its step-STEPS checkpoint for 2 more
+    launch(runs[2], 2, 2, "resume=true", f"max_steps={STEPS + 2}")
+    launch(runs[1], 1, 1, f"max_steps={STEPS + 2}")  # the reference: one process, uninterrupted
+    tp2, tp1 = train_losses(runs[2]), train_losses(runs[1])
+    assert sorted(tp2) == sorted(tp1) == list(range(1, STEPS + 3))
+    for step in tp1:
+        assert math.isclose(tp2[step], tp1[step], rel_tol=1e-5), (step, tp2, tp1)
+    assert tp2[STEPS] != tp2[1]  # it trained
+    summary, reference = read_json(runs[2] / "summary.json"), read_json(runs[1] / "summary.json")
+    assert math.isclose(summary["val_loss"], reference["val_loss"], rel_tol=1e-5)
+    assert read_json(runs[2] / "ds_config.json")["tensor_parallel"] == {"autotp_size": 2}
+    # The export gathers the tensor-parallel shards into one Hugging Face model; final_export reloads it with
+    # transformers and compares its logits on a fixed batch with the trained (sharded) model's.
+    check = summary["export_check"]
+    assert check["ok"] and check["max_abs_logit_diff"] < 1e-4, check
+    # Each rank saved its tensor-parallel slice of the model (DeepSpeed's mp_rank_00/01 files).
+    checkpoint = runs[2] / "checkpoints" / f"step_{STEPS + 2:06d}"
+    assert len(list(checkpoint.glob("*/mp_rank_0[01]_model_states.pt"))) == 2
+    # zero-recipes export reads unsplit ZeRO files: on these it would write rank 0's slice as the model, so it refuses.
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        open_checkpoint(checkpoint)
+    # Resume with another tensor-parallel degree: refused before any work (tensor_parallel is no resumable key).
+    sys.path.insert(0, str(RECIPE))
+    from nlp_config import NLPConfig
+
+    other = load_config(NLPConfig, None, [f"out_dir={runs[2]}", "resume=true", "tensor_parallel=1", *RUN])
+    with pytest.raises(ConfigError, match="tensor_parallel"):
+        find_resume_point(runs[2], config_to_dict(other), 2)
