@@ -31,6 +31,7 @@ from common.lint import lint_at_start
 from common.memory_formulas import facts_from_model_config
 from common.metrics import Clock, all_reduce, gpu_peak_flops, memory_kind, mfu, peak_memory_bytes, throughput
 from common.model_folder import check_weight_files
+from common.resume import ResumePoint, find_resume_point
 from common.rundir import env_info, read_metrics, wait_for_rank0_file, write_json_atomic, write_text_atomic
 from common.strategy import RunFacts, cosine_with_warmup, precision_of, resolve_deepspeed_config, zero_stage
 from nlp.data import DataError, LMData, build_lm_datasets, load_tokenizer
@@ -205,6 +206,45 @@ def data_parallel(cfg: NLPConfig, rank: int, world_size: int) -> tuple[int, int]
     (:func:`check_mesh` verifies it on the engine).
     """
     return rank // cfg.tensor_parallel, world_size // cfg.tensor_parallel
+
+
+def resume_point(cfg: NLPConfig, world_size: int) -> ResumePoint | None:
+    """``resume=true``: the checkpoint to load (None for a new run), refused with a ConfigError when it cannot be.
+
+    A different model or config (``tensor_parallel`` too) or no complete checkpoint is refused; another data-parallel
+    size goes through a universal checkpoint (ZeRO shards are one per data-parallel rank), except with tensor
+    parallelism, whose slices the conversion does not handle here.
+    """
+    if not cfg.resume:
+        return None
+    dp_size = data_parallel(cfg, 0, world_size)[1]
+    resume = find_resume_point(Path(cfg.out_dir), config_to_dict(cfg), dp_size)
+    if resume.universal and cfg.tensor_parallel > 1:
+        raise ConfigError(
+            f"resume with tensor_parallel={cfg.tensor_parallel} needs the data-parallel size the checkpoint was "
+            f"written with ({resume.saved_world_size}, now {dp_size}): a universal conversion of tensor-parallel "
+            "shards is not supported here"
+        )
+    return resume
+
+
+def check_replica_batch(cfg: NLPConfig, input_ids: torch.Tensor) -> None:
+    """Tensor parallel: fail unless every rank of this replica holds the same ``input_ids`` (a collective).
+
+    Lightning's entry point calls it on its first batch instead of DeepSpeed's own check, which cannot compare the
+    (batch dict, batch index) Lightning passes to the engine ("Boolean value of Tensor ... is ambiguous").
+    """
+    if cfg.tensor_parallel == 1:
+        return
+    from deepspeed.utils import groups
+
+    group = groups.get_tensor_model_parallel_group()
+    first = input_ids.clone()
+    torch.distributed.broadcast(first, groups.get_tensor_model_parallel_src_rank(), group=group)
+    same = torch.tensor(float(torch.equal(first, input_ids)), device=input_ids.device)
+    torch.distributed.all_reduce(same, op=torch.distributed.ReduceOp.MIN, group=group)  # every rank stops
+    if not same.item():
+        raise RuntimeError("the ranks of a tensor-parallel group read different batches (data_parallel())")
 
 
 def check_mesh(cfg: NLPConfig, rank: int, world_size: int) -> None:

@@ -37,6 +37,10 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     MemoryPlan,
     NLPSummary,
     build_model,
+    check_mesh,
+    check_replica_batch,
+    check_tensor_parallel,
+    data_parallel,
     describe,
     eval_batches,
     evaluate,
@@ -51,6 +55,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     param_groups,
     param_sizes,
     resolve_ds_config,
+    resume_point,
     tokenizer_source,
     train_loader,
     write_run_files,
@@ -60,9 +65,9 @@ from common.accounting import model_state_bytes
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
-from common.errors import ConfigError, exit_on_user_error
+from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce
-from common.resume import find_resume_point, mark_universal, prepare_resume, with_universal_load
+from common.resume import mark_universal, prepare_resume, with_universal_load
 from common.rundir import (
     MetricsLog,
     is_launcher_rank_zero,
@@ -125,8 +130,8 @@ class CausalLM(L.LightningModule):
         )
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        rank, world_size = self.global_rank, self.trainer.world_size
-        return train_loader(self.data, self.cfg, rank, world_size, self.start_step, full_length=True)
+        dp_rank, dp_size = data_parallel(self.cfg, self.global_rank, self.trainer.world_size)
+        return train_loader(self.data, self.cfg, dp_rank, dp_size, self.start_step, full_length=True)
 
     def configure_optimizers(self) -> dict:
         groups = param_groups(self.model, self.cfg.weight_decay)
@@ -135,6 +140,8 @@ class CausalLM(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 0:
+            check_replica_batch(self.cfg, batch["input_ids"])
         loss = lm_loss(self.model, batch["input_ids"], batch["labels"])
         self.losses.append(loss.detach())  # a tensor: reading it (.item(), the progress bar) would wait for the device
         return loss
@@ -143,7 +150,10 @@ class CausalLM(L.LightningModule):
         cfg, strategy = self.cfg, self.trainer.strategy
         self.checkpointer = make_checkpointer(cfg, self.global_rank, self.trainer.world_size, strategy.barrier)
         self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
-        self.val_batches = eval_batches(self.data, self.cfg, self.global_rank, self.trainer.world_size)
+        check_mesh(cfg, self.global_rank, self.trainer.world_size)
+        if cfg.tensor_parallel > 1:  # its check cannot read Lightning's batch dict: check_replica_batch instead
+            strategy.deepspeed_engine.first_dataloader_check.remove()
+        self.val_batches = eval_batches(self.data, cfg, *data_parallel(cfg, self.global_rank, self.trainer.world_size))
         if self.start_step == 0:
             self.evaluate_and_log(0)
         self.clock.skip()
@@ -162,7 +172,8 @@ class CausalLM(L.LightningModule):
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
             loss = all_reduce(step_loss).item() / self.trainer.world_size
             self.log("loss", loss, prog_bar=True, logger=False)
-            tokens_per_s = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / self.clock.median_step()
+            tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / cfg.tensor_parallel  # a TP group shares them
+            tokens_per_s = tokens / self.clock.median_step()
             self.log_file.log(
                 step,
                 train_loss=loss,
@@ -214,11 +225,6 @@ class CausalLM(L.LightningModule):
 @exit_on_user_error(DataError, ModelError)
 def main() -> None:
     cfg = parse_recipe_args(NLPConfig, DEFAULT_CONFIG, describe=describe)
-    if cfg.tensor_parallel > 1:
-        raise ConfigError(
-            f"tensor_parallel={cfg.tensor_parallel} runs under Accelerate only: accelerate launch --config_file "
-            "recipes/nlp/accelerate.yaml recipes/nlp/train_accelerate.py tensor_parallel=N"
-        )
     clock = Clock()
     on_gpu = torch.cuda.is_available()
     devices, num_nodes = local_world(cfg.devices, cfg.num_nodes)
@@ -228,13 +234,14 @@ def main() -> None:
     rank0, out_dir = is_launcher_rank_zero(), Path(cfg.out_dir)
     if rank0:
         refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)  # before anything is read or written
-    # A different model or config, no complete checkpoint: refused here; another world size: a universal checkpoint.
-    resume = find_resume_point(out_dir, config_to_dict(cfg), world_size) if cfg.resume else None
+    # A different model or config, no complete checkpoint: refused; another data-parallel size: a universal checkpoint.
+    resume = resume_point(cfg, world_size)
     start_step = resume.step if resume else 0
     trained_tokenizer = tokenizer_source(cfg, trained_here=False) is None
     data = load_data(cfg, tokenizer_source(cfg, trained_here=cfg.resume or not rank0), world_size)
     config = model_config(cfg, data.tokenizer)
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
+    check_tensor_parallel(cfg, world_size, config, ds_config)
     attention = resolve_attention(cfg.attention, "cuda" if on_gpu else "cpu", torch_dtype(cfg.precision))
     if rank0:
         prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)

@@ -48,6 +48,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     param_groups,
     param_sizes,
     resolve_ds_config,
+    resume_point,
     tokenizer_source,
     train_loader,
     write_run_files,
@@ -57,10 +58,9 @@ from tqdm.auto import tqdm
 from common.accounting import model_state_bytes
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
-from common.errors import ConfigError, exit_on_user_error
+from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce
 from common.resume import (
-    find_resume_point,
     mark_universal,
     param_groups_kept,
     prepare_resume,
@@ -87,15 +87,8 @@ def main() -> None:
     ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
     check_tensor_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
     dp_rank, dp_size = data_parallel(cfg, int(os.environ.get("RANK", "0")), world_size)
-    # A different model or config (tensor_parallel too), no complete checkpoint: refused here; another data-parallel
-    # size: a universal checkpoint (its ZeRO shards are one per data-parallel rank).
-    resume = find_resume_point(out_dir, config_to_dict(cfg), dp_size) if cfg.resume else None
-    if resume and resume.universal and cfg.tensor_parallel > 1:
-        raise ConfigError(
-            f"resume with tensor_parallel={cfg.tensor_parallel} needs the data-parallel size the checkpoint was "
-            f"written with ({resume.saved_world_size}, now {dp_size}): a universal conversion of tensor-parallel "
-            "shards is not supported here"
-        )
+    # A different model or config, no complete checkpoint: refused; another data-parallel size: a universal checkpoint.
+    resume = resume_point(cfg, world_size)
     start_step = resume.step if resume else 0
     load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
     accelerator = Accelerator(**accelerator_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s)))

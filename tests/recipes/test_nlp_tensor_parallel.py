@@ -1,6 +1,6 @@
-"""``tensor_parallel=N`` in the NLP recipe (Accelerate entry point): DeepSpeed AutoTP with ZeRO 1, through the recipe.
+"""``tensor_parallel=N`` in the NLP recipe (both entry points): DeepSpeed AutoTP with ZeRO 1, through the recipe.
 
-The equivalence run compares tensor parallel 2 on 2 processes (one data-parallel replica) with one process (one
+The equivalence runs compare tensor parallel 2 on 2 processes (one data-parallel replica) with one process (one
 replica, no tensor parallelism): the same micro-batches, the same global batch, so fp32 losses agree to rounding.
 """
 
@@ -66,12 +66,6 @@ def test_a_bad_tensor_parallel_is_one_clear_error(args, message):
         assert "use one of 1, 2" in error, error
 
 
-def test_lightning_refuses_tensor_parallel_and_names_the_accelerate_entry_point(tmp_path):
-    proc = run([PYTHON, TRAIN, f"out_dir={tmp_path / 'run'}", "tensor_parallel=2"], timeout=300, check=False)
-    assert "recipes/nlp/train_accelerate.py" in one_error(proc)
-    assert not (tmp_path / "run").exists()
-
-
 # --- slow: TP 2 trains like one process, exports one model, and refuses another TP degree on resume ---------
 
 
@@ -90,10 +84,17 @@ def test_tensor_parallel_2_trains_and_resumes_like_one_process(tmp_path):
     launch(runs[2], 2, 2)  # STEPS steps, then resumed from its step-STEPS checkpoint for 2 more
     launch(runs[2], 2, 2, "resume=true", f"max_steps={STEPS + 2}")
     launch(runs[1], 1, 1, f"max_steps={STEPS + 2}")  # the reference: one process, uninterrupted
-    tp2, tp1 = train_losses(runs[2]), train_losses(runs[1])
+    # Lightning, TP 2 on 2 processes: the same batches as the Accelerate runs (StepSampler over replicas).
+    lightning = tmp_path / "lightning_tp2"
+    run([PYTHON, TRAIN, f"out_dir={lightning}", "tensor_parallel=2", "devices=2", *RUN], timeout=600)
+    tp2, tp1, lightning_tp2 = train_losses(runs[2]), train_losses(runs[1]), train_losses(lightning)
     assert sorted(tp2) == sorted(tp1) == list(range(1, STEPS + 3))
+    assert sorted(lightning_tp2) == list(range(1, STEPS + 1))
     for step in tp1:
         assert math.isclose(tp2[step], tp1[step], rel_tol=1e-5), (step, tp2, tp1)
+    for step in lightning_tp2:
+        assert math.isclose(lightning_tp2[step], tp1[step], rel_tol=1e-5), (step, lightning_tp2, tp1)
+    assert read_json(lightning / "summary.json")["export_check"]["max_abs_logit_diff"] < 1e-4
     assert tp2[STEPS] != tp2[1]  # it trained
     summary, reference = read_json(runs[2] / "summary.json"), read_json(runs[1] / "summary.json")
     assert math.isclose(summary["val_loss"], reference["val_loss"], rel_tol=1e-5)
