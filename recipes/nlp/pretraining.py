@@ -365,10 +365,18 @@ class MemoryPlan:
     world_size: int
     predicted_bytes_per_rank: dict[str, int]  # params, grads, optimizer, model_states after a step
     grads_during_backward_bytes: int
+    tensor_parallel: int = 1
 
     def text(self) -> str:
         """The lines printed before training."""
         p, mb = self.predicted_bytes_per_rank, 1e6
+        tp = self.tensor_parallel
+        split = (
+            f"\n  tensor_parallel={tp} splits every attention and MLP matrix over {tp} ranks, which this plan does not "
+            f"take off: an upper bound (`zero-recipes estimate --tensor-parallel {tp}` splits them)"
+            if tp > 1
+            else ""
+        )
         return (
             f"memory plan: ZeRO-{self.stage} {self.precision}, {self.world_size} rank(s), "
             f"{self.num_params / 1e6:.2f}M parameters ({self.persistent_params / 1e6:.2f}M under the "
@@ -376,12 +384,13 @@ class MemoryPlan:
             f"  each rank holds (predicted, after a step): params {p['params'] / mb:.1f} MB + optimizer "
             f"{p['optimizer'] / mb:.1f} MB (fp32 master + Adam m, v) = {p['model_states'] / mb:.1f} MB of model "
             f"states; gradients add {self.grads_during_backward_bytes / mb:.1f} MB during backward; activations "
-            "and ZeRO buffers come on top"
+            "and ZeRO buffers come on top" + split
         )
 
 
-def memory_plan(sizes: list[int], ds_config: dict[str, Any], world_size: int) -> MemoryPlan:
-    """The plan for parameters of ``sizes`` elements under ``ds_config`` on ``world_size`` ranks."""
+def memory_plan(sizes: list[int], ds_config: dict[str, Any], world_size: int, tensor_parallel: int = 1) -> MemoryPlan:
+    """The plan for parameters of ``sizes`` elements under ``ds_config`` on ``world_size`` ranks (ZeRO shards over
+    them all; ``tensor_parallel`` is only named in the text, not taken off)."""
     stage, precision = zero_stage(ds_config), precision_of(ds_config)
     persistent = persistent_elements(sizes, ds_config)
     predicted = predicted_model_state_bytes(sum(sizes), stage, world_size, precision, persistent_params=persistent)
@@ -394,6 +403,7 @@ def memory_plan(sizes: list[int], ds_config: dict[str, Any], world_size: int) ->
         world_size=world_size,
         predicted_bytes_per_rank={k: int(v) for k, v in predicted.items()},
         grads_during_backward_bytes=int(during["grads"]),
+        tensor_parallel=tensor_parallel,
     )
 
 

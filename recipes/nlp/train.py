@@ -122,7 +122,9 @@ class CausalLM(L.LightningModule):
             return
         self.model = build_model(self.cfg, self.model_config, self.attention)
         self.held_at_construction = held_param_elements(self.model)
-        self.plan = memory_plan(param_sizes(self.model), self.ds_config, self.trainer.world_size)
+        self.plan = memory_plan(
+            param_sizes(self.model), self.ds_config, self.trainer.world_size, self.cfg.tensor_parallel
+        )
         self.print(self.plan.text())
         self.print(
             f"after construction rank 0 holds {self.held_at_construction:,} of "
