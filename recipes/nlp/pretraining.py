@@ -228,6 +228,11 @@ def resume_point(cfg: NLPConfig, world_size: int) -> ResumePoint | None:
     return resume
 
 
+def tokens_per_rank_step(cfg: NLPConfig) -> float:
+    """Tokens one rank trains on per optimizer step: the ranks of a tensor-parallel group share their replica's."""
+    return cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / cfg.tensor_parallel
+
+
 def check_replica_batch(cfg: NLPConfig, input_ids: torch.Tensor) -> None:
     """Tensor parallel: fail unless every rank of this replica holds the same ``input_ids`` (a collective).
 
@@ -637,8 +642,7 @@ def finish(
     if rank != 0:
         return None
     export_check, sample = final_export(model, state, data.tokenizer, out_dir, fixed, logits, cfg, attention, device)
-    # Per rank: the ranks of a tensor-parallel group share their replica's tokens.
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / cfg.tensor_parallel
+    tokens_per_step = tokens_per_rank_step(cfg)
     tokens_per_s = tokens_per_step / clock.median_step()
     initial = initial_val_loss(out_dir)
     return NLPSummary(

@@ -57,6 +57,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     resolve_ds_config,
     resume_point,
     tokenizer_source,
+    tokens_per_rank_step,
     train_loader,
     write_run_files,
 )
@@ -174,8 +175,7 @@ class CausalLM(L.LightningModule):
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
             loss = all_reduce(step_loss).item() / self.trainer.world_size
             self.log("loss", loss, prog_bar=True, logger=False)
-            tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / cfg.tensor_parallel  # a TP group shares them
-            tokens_per_s = tokens / self.clock.median_step()
+            tokens_per_s = tokens_per_rank_step(cfg) / self.clock.median_step()
             self.log_file.log(
                 step,
                 train_loss=loss,

@@ -50,6 +50,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     resolve_ds_config,
     resume_point,
     tokenizer_source,
+    tokens_per_rank_step,
     train_loader,
     write_run_files,
 )
@@ -86,7 +87,6 @@ def main() -> None:
     # --- DeepSpeed through Accelerate: the factory's dict, with ZeRO-3's partitioned construction turned on ---
     ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
     check_tensor_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
-    dp_rank, dp_size = data_parallel(cfg, int(os.environ.get("RANK", "0")), world_size)
     # A different model or config, no complete checkpoint: refused; another data-parallel size: a universal checkpoint.
     resume = resume_point(cfg, world_size)
     start_step = resume.step if resume else 0
@@ -134,6 +134,7 @@ def main() -> None:
             accelerator.load_state(str(resume.load_path))
     # Not prepared: StepSampler already gives each rank its slice, in an order fixed by (seed, step).
     # Tensor parallel: every rank of a replica reads the replica's batches (DeepSpeed checks the first one).
+    dp_rank, dp_size = data_parallel(cfg, rank, world_size)
     loader = train_loader(data, cfg, dp_rank, dp_size, start_step)
     val_batches = eval_batches(data, cfg, dp_rank, dp_size)
     log = MetricsLog(out_dir, enabled=main_process)
@@ -151,7 +152,7 @@ def main() -> None:
         return loss
 
     # --- training ---
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / cfg.tensor_parallel  # per device
+    tokens_per_step = tokens_per_rank_step(cfg)  # per device
     if start_step == 0:
         val_loss = run_eval(0)
     engine.train()
