@@ -271,12 +271,19 @@ class AsyncCheckpointer(Checkpointer):
             return
         _, step, folder, snapshotted_at = item
         fsync_tree(folder)
-        marker = folder / f"{MARKER}{self.rank:05d}"
-        marker.touch()
-        fsync_path(marker)  # the folder's entry for it is flushed by rank 0, which may rename the folder from now on
+        self._mark_written(folder)
         if self.rank == 0:
             self._publish_when_all_written(step, folder)
         self.written_s.append(time.perf_counter() - snapshotted_at)
+
+    def _mark_written(self, folder: Path) -> None:
+        """Create and flush this rank's marker through one file descriptor, never by path again: once the marker is
+        visible, rank 0 may rename the folder at any moment (its ``fsync_path(folder)`` flushes the marker's entry)."""
+        fd = os.open(folder / f"{MARKER}{self.rank:05d}", os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _publish_when_all_written(self, step: int, folder: Path) -> None:
         deadline = time.monotonic() + self.publish_timeout_s

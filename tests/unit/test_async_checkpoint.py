@@ -184,3 +184,28 @@ def test_every_file_the_rename_and_latest_are_on_disk_before_latest_names_the_st
     assert written and written <= before_latest  # every file and folder of the checkpoint
     assert str(tmp_path / "checkpoints") in before_latest  # the rename into step_000002
     assert any(Path(path).name.startswith(".latest.tmp") for path in before_latest)  # the pointer's own bytes
+
+
+def test_a_rank_never_touches_its_folder_by_path_once_its_marker_is_visible(tmp_path, monkeypatch):
+    """Rank 0 publishes (renames the folder) as soon as every marker is there: a rank that opened its marker by path
+    after creating it lost that race in CI (FileNotFoundError on ``.tmp-step_*/.written-rank00001``). Here rank 1's
+    writer is made slow after its marker appears, until rank 0 has published: it must still finish cleanly."""
+    rank0, rank1 = pair(tmp_path)
+    marker = tmp_path / "checkpoints" / ".tmp-step_000004" / f"{MARKER}00001"
+    real_open, real_fsync = os.open, os.fsync
+
+    def after_rank0_published_if_rank1_marked(call):
+        def slowed(*args, **kwargs):
+            if threading.current_thread().name == "checkpoint-writer-1" and marker.exists():
+                assert wait_for(lambda: latest_checkpoint(tmp_path) is not None, 30)
+            return call(*args, **kwargs)
+
+        return slowed
+
+    monkeypatch.setattr(os, "open", after_rank0_published_if_rank1_marked(real_open))
+    monkeypatch.setattr(os, "fsync", after_rank0_published_if_rank1_marked(real_fsync))
+    rank0.save(4, writer(rank0, {"w": torch.zeros(2)}))
+    rank1.save(4, writer(rank1, {"w": torch.ones(2)}))
+    rank1.finish()  # raises "background checkpoint write failed" if rank 1 lost the race
+    rank0.finish()
+    assert latest_checkpoint(tmp_path).name == "step_000004"
