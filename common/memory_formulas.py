@@ -71,6 +71,11 @@ class ModelFacts:
         num_experts: routed experts per MoE layer (a Hugging Face config's ``num_local_experts`` / ``num_experts``);
             None for a dense model.
         expert_params: parameters of the routed experts, every layer and expert (in ``num_params``); 0 when dense.
+        tensor_replicated_params: dense parameters tensor parallelism keeps whole on every tensor-parallel rank.
+            DeepSpeed's AutoTP (the NLP recipe's ``tensor_parallel``) splits ``nn.Linear`` layers only, the output
+            layer included; the token embedding, the norm weights and a MoE router stay whole (measured on the
+            recipe's model at TP 2 by tests/recipes/test_nlp_tensor_parallel.py). 0 when unknown: every dense
+            parameter is then counted as split.
     """
 
     num_params: int
@@ -88,6 +93,7 @@ class ModelFacts:
     source: str = "--params"
     num_experts: int | None = None
     expert_params: int = 0
+    tensor_replicated_params: int = 0
 
 
 # --- parsing ------------------------------------------------------------------------------------------
@@ -171,6 +177,7 @@ def assumed_transformer(num_params: int) -> ModelFacts:
         head_dim=ASSUMED_HEAD_DIM,
         block="llama",
         param_numels=(*norms, max(0, int(num_params) - sum(norms))),
+        tensor_replicated_params=min(int(num_params), ASSUMED_VOCAB * hidden + sum(norms)),
         source=f"--params (shape assumed: {layers} layers, hidden {hidden}, vocab {ASSUMED_VOCAB}; "
         "pass --model-config for exact activations)",
     )
@@ -253,6 +260,7 @@ def facts_from_model_config(config: Any, source: str) -> ModelFacts:
         source=f"{source} ({config.model_type}, counted on the meta device)",
         num_experts=int(experts) if experts else None,
         expert_params=expert_numel(model) if experts else 0,
+        tensor_replicated_params=tensor_replicated_numel(model),
     )
 
 
@@ -284,6 +292,24 @@ def lora_params(facts: ModelFacts, rank: int) -> int:
     inter = facts.intermediate_size or int(8 * h / 3)
     per_layer = 4 * rank * (h + h) + 3 * rank * (h + inter)
     return facts.num_layers * per_layer
+
+
+def tensor_replicated_numel(model: Any) -> int:
+    """Dense parameters outside ``nn.Linear`` layers (embeddings, norms, routers): what AutoTP leaves whole on
+    every tensor-parallel rank (:attr:`ModelFacts.tensor_replicated_params`). Routed experts are not counted (expert
+    parallelism splits them); shared parameters once, by identity (works on ``meta``), and a weight tied to a
+    ``Linear`` (a tied output layer) counts as split with it."""
+    import torch
+
+    linear: set[int] = set()
+    others: dict[int, int] = {}
+    for module_name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if isinstance(module, torch.nn.Linear):
+            linear.update(id(p) for p in own)
+        elif "experts" not in module_name.split("."):
+            others.update((id(p), p.numel()) for p in own)
+    return sum(n for key, n in others.items() if key not in linear)
 
 
 # --- tensor, pipeline and expert parallelism (issue 18) -----------------------------------------------------
@@ -386,15 +412,19 @@ def check_layout(facts: ModelFacts, layout: ParallelLayout) -> None:
 
 
 def rank_params(facts: ModelFacts, layout: ParallelLayout) -> tuple[float, float]:
-    """(dense, expert) parameters one rank holds: dense / (TP x PP) and experts / (EP x PP).
+    """(dense, expert) parameters one rank holds: (split / TP + replicated) / PP and experts / (EP x PP).
 
-    Even splits, the usual planning approximation: the dense part is divided by TP (the few norm weights that TP
-    replicates are counted as split) and by PP (the first and last stages also hold the embedding and the output
-    layer). Experts are divided by EP and by PP, since a stage holds only its own layers' experts; TP does not
-    divide them (DeepSpeed MoE's default; Megatron-DeepSpeed's ``--enable-expert-tensor-parallelism`` would).
+    The dense part's linear layers are divided by TP and the rest (:attr:`ModelFacts.tensor_replicated_params`:
+    embedding, norms) is whole on every TP rank, as AutoTP does; Megatron's vocabulary-parallel embedding would
+    split the embedding too, so for Megatron this is an upper bound. PP divides evenly, the usual planning
+    approximation (the first and last stages also hold the embedding and the output layer). Experts are divided by
+    EP and by PP, since a stage holds only its own layers' experts; TP does not divide them (DeepSpeed MoE's
+    default; Megatron-DeepSpeed's ``--enable-expert-tensor-parallelism`` would).
     """
     dense = facts.num_params - facts.expert_params
-    return dense / (layout.tensor * layout.pipeline), facts.expert_params / (layout.expert * layout.pipeline)
+    replicated = min(facts.tensor_replicated_params, dense)
+    per_stage = (dense - replicated) / layout.tensor + replicated
+    return per_stage / layout.pipeline, facts.expert_params / (layout.expert * layout.pipeline)
 
 
 def rank_partition(facts: ModelFacts, layout: ParallelLayout) -> int:

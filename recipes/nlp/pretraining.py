@@ -28,7 +28,7 @@ from common.data import StepSampler
 from common.describe import RecipeDescription, local_world, persistent_elements
 from common.errors import ConfigError
 from common.lint import lint_at_start
-from common.memory_formulas import facts_from_model_config
+from common.memory_formulas import facts_from_model_config, tensor_replicated_numel
 from common.metrics import Clock, all_reduce, gpu_peak_flops, memory_kind, mfu, peak_memory_bytes, throughput
 from common.model_folder import check_weight_files
 from common.resume import ResumePoint, find_resume_point
@@ -371,14 +371,16 @@ class MemoryPlan:
     predicted_bytes_per_rank: dict[str, int]  # params, grads, optimizer, model_states after a step
     grads_during_backward_bytes: int
     tensor_parallel: int = 1
+    params_per_tensor_rank: int | None = None  # under tensor parallelism: the slice one rank holds before ZeRO
 
     def text(self) -> str:
         """The lines printed before training."""
         p, mb = self.predicted_bytes_per_rank, 1e6
         tp = self.tensor_parallel
         split = (
-            f"\n  tensor_parallel={tp} splits every attention and MLP matrix over {tp} ranks, which this plan does not "
-            f"take off: an upper bound (`zero-recipes estimate --tensor-parallel {tp}` splits them)"
+            f"\n  tensor_parallel={tp}: each rank holds {self.params_per_tensor_rank / 1e6:.2f}M of them (AutoTP "
+            f"splits the linear layers over {tp} ranks, the embedding and norms stay whole), and ZeRO shards that "
+            f"over the {self.world_size // tp} data-parallel rank(s)"
             if tp > 1
             else ""
         )
@@ -393,13 +395,24 @@ class MemoryPlan:
         )
 
 
-def memory_plan(sizes: list[int], ds_config: dict[str, Any], world_size: int, tensor_parallel: int = 1) -> MemoryPlan:
-    """The plan for parameters of ``sizes`` elements under ``ds_config`` on ``world_size`` ranks (ZeRO shards over
-    them all; ``tensor_parallel`` is only named in the text, not taken off)."""
+def memory_plan(
+    model: torch.nn.Module, ds_config: dict[str, Any], world_size: int, tensor_parallel: int = 1
+) -> MemoryPlan:
+    """The plan for ``model`` (built, not yet sharded by AutoTP) under ``ds_config`` on ``world_size`` ranks.
+
+    Under tensor parallelism a rank holds the split linear layers' 1/TP and the rest whole
+    (:func:`~common.memory_formulas.tensor_replicated_numel`), and ZeRO shards that slice over world / TP ranks.
+    """
+    sizes = param_sizes(model)
     stage, precision = zero_stage(ds_config), precision_of(ds_config)
     persistent = persistent_elements(sizes, ds_config)
-    predicted = predicted_model_state_bytes(sum(sizes), stage, world_size, precision, persistent_params=persistent)
-    during = predicted_model_state_bytes(sum(sizes), stage, world_size, precision, True, persistent)
+    held, shards, per_tensor_rank = sum(sizes), world_size, None
+    if tensor_parallel > 1:
+        replicated = tensor_replicated_numel(model)
+        held = per_tensor_rank = (sum(sizes) - replicated) // tensor_parallel + replicated
+        shards = world_size // tensor_parallel
+    predicted = predicted_model_state_bytes(held, stage, shards, precision, persistent_params=persistent)
+    during = predicted_model_state_bytes(held, stage, shards, precision, True, persistent)
     return MemoryPlan(
         num_params=sum(sizes),
         persistent_params=persistent,
@@ -409,6 +422,7 @@ def memory_plan(sizes: list[int], ds_config: dict[str, Any], world_size: int, te
         predicted_bytes_per_rank={k: int(v) for k, v in predicted.items()},
         grads_during_backward_bytes=int(during["grads"]),
         tensor_parallel=tensor_parallel,
+        params_per_tensor_rank=per_tensor_rank,
     )
 
 

@@ -53,7 +53,6 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     memory_plan,
     model_config,
     param_groups,
-    param_sizes,
     resolve_ds_config,
     resume_point,
     tokenizer_source,
@@ -123,9 +122,7 @@ class CausalLM(L.LightningModule):
             return
         self.model = build_model(self.cfg, self.model_config, self.attention)
         self.held_at_construction = held_param_elements(self.model)
-        self.plan = memory_plan(
-            param_sizes(self.model), self.ds_config, self.trainer.world_size, self.cfg.tensor_parallel
-        )
+        self.plan = memory_plan(self.model, self.ds_config, self.trainer.world_size, self.cfg.tensor_parallel)
         self.print(self.plan.text())
         self.print(
             f"after construction rank 0 holds {self.held_at_construction:,} of "

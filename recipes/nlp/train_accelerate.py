@@ -46,7 +46,6 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     memory_plan,
     model_config,
     param_groups,
-    param_sizes,
     resolve_ds_config,
     resume_point,
     tokenizer_source,
@@ -114,7 +113,7 @@ def main() -> None:
     model = build_model(cfg, config, attention)
     mark_universal(model)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
     held = held_param_elements(model)
-    plan = memory_plan(param_sizes(model), ds_config, world_size, cfg.tensor_parallel)
+    plan = memory_plan(model, ds_config, world_size, cfg.tensor_parallel)
     if main_process:
         print(plan.text())
         print(f"after construction rank 0 holds {held:,} of {plan.num_params:,} parameter elements", flush=True)

@@ -212,7 +212,7 @@ def test_sigkill_during_an_asynchronous_write_keeps_the_last_checkpoint_and_resu
 # stages 1 and 2 (measured 1e-7), 3.4e-4 relative for stage 3 on both backends and both process counts
 # (DeepSpeed's stage-3 universal load; docs/checkpoints.md), hence the looser stage-3 bound.
 WEIGHTS_RTOL = 1e-6
-STEP_RTOL = {1: 1e-6, 2: 1e-6, 3: 1e-3}
+STEP_RTOL = {2: 1e-6, 3: 1e-3}
 MICRO_FOR = {1: 8, 2: 4, 4: 2}
 
 
@@ -231,9 +231,12 @@ def deterministic_swin(tmp_path_factory) -> Path:
     return folder
 
 
+# Stage 1 is not run: stages 1 and 2 are one optimizer class (DeepSpeedZeroOptimizer, partition_gradients off for 1)
+# with one universal save and load path, and when all six cases ran, stage 1 gave stage 2's numbers exactly on both
+# backends. Dropping it saved about 140 s of the suite's 60-minute budget.
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_checkpoint_of_2_processes_resumes_on_1_and_on_4(tmp_path, deterministic_swin, backend, stage):
     run_config = {"preset": f"deepspeed_stage_{stage}", "model": deterministic_swin, "max_steps": 4}
     whole = tmp_path / "whole"

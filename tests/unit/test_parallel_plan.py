@@ -55,6 +55,13 @@ def llama_params_by_hand() -> int:
     return v * h + n * (attention + mlp + 2 * h) + h + h * v  # embedding, blocks (2 norms), final norm, output
 
 
+def replicated_by_hand(config: dict, router: int = 0) -> int:
+    """What AutoTP keeps whole on every tensor-parallel rank: the embedding, 2 norms per block and the final one,
+    and each block's router (not an ``nn.Linear`` in transformers' Mixtral); the output layer is split."""
+    v, h, n = config["vocab_size"], config["hidden_size"], config["num_hidden_layers"]
+    return v * h + n * (2 * h + router) + h
+
+
 def mixtral_params_by_hand() -> tuple[int, int]:
     """(all parameters, expert parameters): each expert is a gated MLP, 3 h i, in every layer."""
     v, h, i, n = (
@@ -84,8 +91,10 @@ def test_llama_states_per_rank_follow_tp_pp_and_dp(configs):
     facts = facts_from_hf_config(configs["llama"])
     k = llama_params_by_hand()
     assert facts.num_params == k and facts.expert_params == 0 and facts.num_experts is None
-    # 16 ranks = TP 2 x PP 2 x DP 4: a rank holds K / 4 and ZeRO shards it over 4 ranks.
-    k_rank, dp = k / 4, 4
+    # 16 ranks = TP 2 x PP 2 x DP 4: a rank holds (split / 2 + replicated) / 2 and ZeRO shards it over 4 ranks.
+    replicated = replicated_by_hand(LLAMA)
+    assert facts.tensor_replicated_params == replicated
+    k_rank, dp = ((k - replicated) / 2 + replicated) / 2, 4
     layout = {"nodes": 2, "tensor_parallel": 2, "pipeline_parallel": 2}
     assert states_row(facts, 1, **layout) == pytest.approx(2 * k_rank + 2 * k_rank + 12 * k_rank / dp, rel=1e-12)
     assert states_row(facts, 2, **layout) == pytest.approx(2 * k_rank + 14 * k_rank / dp, rel=1e-12)
@@ -95,8 +104,11 @@ def test_mixtral_experts_split_by_ep_and_sharded_over_expert_data_parallel(confi
     facts = facts_from_hf_config(configs["mixtral"])
     k, k_experts = mixtral_params_by_hand()
     assert (facts.num_params, facts.expert_params, facts.num_experts) == (k, k_experts, 4)
-    # 16 ranks = TP 2 x PP 2 x DP 4, EP 2: dense K_d / (TP PP) over DP 4; experts K_e / (EP PP) over DP / EP = 2.
-    dense, experts = (k - k_experts) / 4, k_experts / 4
+    # 16 ranks = TP 2 x PP 2 x DP 4, EP 2: dense (split / TP + replicated) / PP over DP 4; experts K_e / (EP PP)
+    # over DP / EP = 2.
+    replicated = replicated_by_hand(MIXTRAL, router=MIXTRAL["hidden_size"] * MIXTRAL_MOE["num_local_experts"])
+    assert facts.tensor_replicated_params == replicated
+    dense, experts = ((k - k_experts - replicated) / 2 + replicated) / 2, k_experts / 4
     layout = {"nodes": 2, "tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2}
     stage2 = 2 * dense + 14 * dense / 4 + 2 * experts + 14 * experts / 2
     assert states_row(facts, 2, **layout) == pytest.approx(stage2, rel=1e-12)
@@ -106,7 +118,9 @@ def test_mixtral_experts_split_by_ep_and_sharded_over_expert_data_parallel(confi
 
 def test_the_cli_reports_the_same_states(configs):
     k, k_experts = mixtral_params_by_hand()
-    dense, experts = (k - k_experts) / 2, k_experts / 2  # 8 ranks = TP 2 x DP 4; EP 2 -> expert DP 2
+    replicated = replicated_by_hand(MIXTRAL, router=MIXTRAL["hidden_size"] * MIXTRAL_MOE["num_local_experts"])
+    dense = (k - k_experts - replicated) / 2 + replicated  # 8 ranks = TP 2 x DP 4; EP 2 -> expert DP 2
+    experts = k_experts / 2
     out = cli(
         "estimate", "--model-config", str(configs["mixtral"]), "--gpus", "8", "--gpu-memory", "80GB",
         "--tensor-parallel", "2", "--expert-parallel", "2", "--json",
