@@ -1,7 +1,9 @@
-"""The NLP recipe's default run, as a user types it, on both backends, and with tensor parallelism 2.
+"""A recipe's default run, as a user types it, on both backends (the NLP recipe also with tensor parallelism 2).
 
-    python bench/default_runs.py            # three runs, about 4-5 minutes each, one after the other
-    python bench/default_runs.py --render   # rewrite docs/nlp.md's table from bench/results/default_runs.json
+    python bench/default_runs.py              # NLP: three runs, about 4-5 minutes each, one after the other
+    python bench/default_runs.py --recipe cv  # CV: two runs, about 2 minutes each
+    python bench/default_runs.py --render     # rewrite docs/nlp.md's tables from bench/results/default_runs.json
+    python bench/default_runs.py --recipe cv --render   # docs/cv.md's from bench/results/default_runs_cv.json
 
 1. ``python recipes/nlp/train.py`` (Lightning) and ``accelerate launch --config_file recipes/nlp/accelerate.yaml
    recipes/nlp/train_accelerate.py`` (Accelerate), with no arguments but ``out_dir``: the commands at the top of
@@ -13,7 +15,8 @@
 3. Each run's wall time around the whole command (start-up, tokenizer, packing, DeepSpeed initialisation and the
    export included) and the CPU time of its processes beside it (the machine is shared); the rest comes from the
    run's own summary.json and metrics.jsonl. Writes bench/results/default_runs.json (``write_results``: provenance
-   included) and renders the "NLP default run" section of docs/nlp.md from it.
+   included) and renders the "NLP default run" section of docs/nlp.md from it. ``--recipe cv``: the two commands
+   at the top of docs/cv.md, into bench/results/default_runs_cv.json and the "CV default run" section of docs/cv.md.
 """
 
 from __future__ import annotations
@@ -42,9 +45,17 @@ from bench._bench_util import (  # noqa: E402
 )
 from common.errors import exit_on_user_error  # noqa: E402
 
-RESULTS = REPO / "bench" / "results" / "default_runs.json"
-DOCS = {"NLP default run": REPO / "docs" / "nlp.md", "NLP default run memory": REPO / "docs" / "nlp.md"}
+RESULTS = {
+    "nlp": REPO / "bench" / "results" / "default_runs.json",
+    "cv": REPO / "bench" / "results" / "default_runs_cv.json",
+}
+DOCS = {
+    "NLP default run": REPO / "docs" / "nlp.md",
+    "NLP default run memory": REPO / "docs" / "nlp.md",
+    "CV default run": REPO / "docs" / "cv.md",
+}
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/nlp/accelerate.yaml"]
+ACCELERATE_CV = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/cv/accelerate.yaml"]
 # (name, what a user types, the command as run here, its extra arguments)
 RUNS = [
     ("Lightning", "python recipes/nlp/train.py", [sys.executable, "recipes/nlp/train.py"], []),
@@ -62,6 +73,49 @@ RUNS = [
         ["tensor_parallel=2", "preset=deepspeed_stage_1", "micro_batch_size=8"],
     ),
 ]
+CV_RUNS = [
+    ("Lightning", "python recipes/cv/train.py", [sys.executable, "recipes/cv/train.py"], []),
+    (
+        "Accelerate",
+        "accelerate launch --config_file recipes/cv/accelerate.yaml recipes/cv/train_accelerate.py",
+        [*ACCELERATE_CV, "recipes/cv/train_accelerate.py"],
+        [],
+    ),
+]
+NLP_KEYS = (
+    "val_loss",
+    "val_perplexity",
+    "initial_val_loss",
+    "val_loss_ratio",
+    "throughput",
+    "median_step_s",
+    "peak_memory_bytes",
+    "model_state_bytes_per_rank",
+    "model_state_bytes_measured",
+    "memory_plan",
+    "steps",
+    "tokens_per_step",
+    "preset",
+    "zero_stage",
+    "precision",
+    "world_size",
+    "export_check",
+    "sample",
+)
+CV_KEYS = (
+    "val_accuracy",
+    "val_loss",
+    "majority_baseline_accuracy",
+    "throughput",
+    "peak_memory_bytes",
+    "model_state_bytes_per_rank",
+    "wall_time_s",
+    "steps",
+    "preset",
+    "zero_stage",
+    "precision",
+    "world_size",
+)
 TP_RATIO_BAR = 0.05  # issue 18: the default quality bar holds under tensor_parallel=2 within this
 DEFAULT_RATIO_BAR = 0.6  # docs/nlp.md: the default run's final / step-0 validation loss ratio stays under this
 
@@ -86,7 +140,7 @@ def holding(lock: Path | None):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def run_one(command: list[str], args: list[str], out_dir: Path, lock: Path | None) -> dict:
+def run_one(command: list[str], args: list[str], out_dir: Path, lock: Path | None, keys: tuple = NLP_KEYS) -> dict:
     """One run: the command, its wall and CPU time, and what its run directory says."""
     with holding(lock):
         cpu_before, start = children_cpu_s(), time.perf_counter()
@@ -104,29 +158,8 @@ def run_one(command: list[str], args: list[str], out_dir: Path, lock: Path | Non
         "cpu_s": cpu,
         "first_step_elapsed_s": first_step,
         "val_losses": {str(m["step"]): m["val_loss"] for m in metrics if "val_loss" in m},
-        "summary": {
-            key: summary[key]
-            for key in (
-                "val_loss",
-                "val_perplexity",
-                "initial_val_loss",
-                "val_loss_ratio",
-                "throughput",
-                "median_step_s",
-                "peak_memory_bytes",
-                "model_state_bytes_per_rank",
-                "model_state_bytes_measured",
-                "memory_plan",
-                "steps",
-                "tokens_per_step",
-                "preset",
-                "zero_stage",
-                "precision",
-                "world_size",
-                "export_check",
-                "sample",
-            )
-        },
+        "val_accuracies": {str(m["step"]): m["val_accuracy"] for m in metrics if "val_accuracy" in m},
+        "summary": {key: summary[key] for key in keys},
     }
 
 
@@ -138,6 +171,7 @@ def measure(work: Path, lock: Path | None) -> dict:
         print(f"  {runs[name]['wall_s']:.0f} s, ratio {runs[name]['summary']['val_loss_ratio']:.3f}", flush=True)
     default, tp = runs["Accelerate"]["summary"]["val_loss_ratio"], runs["Accelerate, TP 2"]["summary"]["val_loss_ratio"]
     return {
+        "recipe": "nlp",
         "runs": runs,
         "tp_quality": {"default_ratio": default, "tp2_ratio": tp, "difference": tp - default, "bar": TP_RATIO_BAR},
     }
@@ -229,9 +263,51 @@ def render_memory(results: dict) -> str:
     return "\n".join(lines)
 
 
+def measure_cv(work: Path, lock: Path | None) -> dict:
+    runs = {}
+    for name, typed, command, args in CV_RUNS:
+        print(f"{name}: {typed}", flush=True)
+        runs[name] = {"typed": typed, **run_one(command, args, work / f"cv_{name}", lock, CV_KEYS)}
+        print(f"  {runs[name]['wall_s']:.0f} s, accuracy {runs[name]['summary']['val_accuracy']:.4f}", flush=True)
+    return {"recipe": "cv", "runs": runs}
+
+
+def render_cv(results: dict) -> str:
+    runs = results["runs"]
+    lines = table_head(
+        "command",
+        "val accuracy (majority class)",
+        "command wall (CPU)",
+        "`wall_time_s`",
+        "throughput",
+        "peak RSS / process",
+        "model states / rank",
+    )
+    for run in runs.values():
+        s = run["summary"]
+        lines.append(
+            f"| `{run['typed']}` | {s['val_accuracy']:.4f} ({s['majority_baseline_accuracy']:.3f}) | "
+            f"{run['wall_s']:.1f} s ({run['cpu_s']:.0f} s) | {s['wall_time_s']:.0f} s | "
+            f"{s['throughput']['value']:.0f} {s['throughput']['unit']} | {s['peak_memory_bytes'] / 1e9:.2f} GB | "
+            f"{s['model_state_bytes_per_rank'] / 1e6:.2f} MB |"
+        )
+    first = next(iter(runs.values()))
+    steps = list(first["val_accuracies"])
+    same = all(run["val_accuracies"] == first["val_accuracies"] for run in runs.values())
+    shown = ", ".join(f"{first['val_accuracies'][step]:.4f} at step {step}" for step in steps)
+    lines += [
+        "",
+        f"Validation accuracy at each evaluation ({first['typed']}): {shown}. "
+        + ("The other backend's run evaluated to exactly the same values." if same else "The backends' values differ."),
+    ]
+    return "\n".join(lines)
+
+
 def render_sections(document: dict) -> dict[str, str]:
-    """Section name -> Markdown body, from a default_runs.json document alone."""
+    """Section name -> Markdown body, from a default_runs(_cv).json document alone."""
     results = document["results"]
+    if results.get("recipe", "nlp") == "cv":
+        return {"CV default run": render_cv(results)}
     return {"NLP default run": render_body(results), "NLP default run memory": render_memory(results)}
 
 
@@ -239,15 +315,18 @@ def render_sections(document: dict) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default=None, help="where the runs are written (default: a temp folder)")
+    parser.add_argument("--recipe", choices=sorted(RESULTS), default="nlp", help="whose default run (default nlp)")
     parser.add_argument("--lock", type=Path, default=None, help="hold an exclusive flock on this file during each run")
-    add_results_options(parser, RESULTS)
+    add_results_options(parser, None)
     args = parser.parse_args()
+    args.json = args.json or RESULTS[args.recipe]
     if args.render:
         render_from_file(args.json, render_sections, DOCS)
         return
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-default-runs-"))
-    results = measure(work, args.lock)
-    print(render_body(results))
+    results = (measure_cv if args.recipe == "cv" else measure)(work, args.lock)
+    for body in render_sections({"results": results}).values():
+        print(body)
     save_and_publish(args, results, render_sections, DOCS)
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
