@@ -152,7 +152,7 @@ def run_one(command: list[str], args: list[str], out_dir: Path, lock: Path | Non
         raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     summary = json.loads((out_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    first_step = next(m["elapsed_s"] for m in metrics if "train_loss" in m)
+    first_step = next((m.get("elapsed_s") for m in metrics if "train_loss" in m), None)  # the CV loop logs no time
     return {
         "wall_s": wall,
         "cpu_s": cpu,

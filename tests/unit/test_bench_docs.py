@@ -38,6 +38,7 @@ RESULTS_BENCH = {
     "science_errors.json": "science_errors.py",
     "checkpoint.json": "checkpoint.py",
     "checkpoint_bytes.json": "checkpoint_bytes.py",
+    "default_runs.json": "default_runs.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 
