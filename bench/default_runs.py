@@ -25,13 +25,14 @@ import argparse
 import contextlib
 import fcntl
 import json
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -120,9 +121,32 @@ TP_RATIO_BAR = 0.05  # issue 18: the default quality bar holds under tensor_para
 DEFAULT_RATIO_BAR = 0.6  # docs/nlp.md: the default run's final / step-0 validation loss ratio stays under this
 
 
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+CPU_POLL_S = 0.2
+
+
+def run_and_count_cpu(command: list[str]) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run ``command``; (the finished process, wall seconds, CPU seconds of it and every process it started).
+
+    The CPU time is sampled from the live process tree every ``CPU_POLL_S`` (the last sample of each process
+    counts): ``RUSAGE_CHILDREN`` would miss ranks that their parent never waits for, such as the second rank
+    Lightning starts itself. A process's last ``CPU_POLL_S`` may be missed.
+    """
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        popen = subprocess.Popen(command, cwd=REPO, env=bench_env(), stdout=out, stderr=err, text=True)
+        root, cpu_by_pid = psutil.Process(popen.pid), {}
+        while popen.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for process in [root, *root.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        times = process.cpu_times()
+                        cpu_by_pid[process.pid] = times.user + times.system
+            time.sleep(CPU_POLL_S)
+        wall = time.perf_counter() - start
+        out.seek(0)
+        err.seek(0)
+        finished = subprocess.CompletedProcess(command, popen.returncode, out.read(), err.read())
+    return finished, wall, sum(cpu_by_pid.values())
 
 
 @contextlib.contextmanager
@@ -143,11 +167,7 @@ def holding(lock: Path | None):
 def run_one(command: list[str], args: list[str], out_dir: Path, lock: Path | None, keys: tuple = NLP_KEYS) -> dict:
     """One run: the command, its wall and CPU time, and what its run directory says."""
     with holding(lock):
-        cpu_before, start = children_cpu_s(), time.perf_counter()
-        proc = subprocess.run(
-            [*command, f"out_dir={out_dir}", *args], cwd=REPO, env=bench_env(), capture_output=True, text=True
-        )
-        wall, cpu = time.perf_counter() - start, children_cpu_s() - cpu_before
+        proc, wall, cpu = run_and_count_cpu([*command, f"out_dir={out_dir}", *args])
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     summary = json.loads((out_dir / "summary.json").read_text())
@@ -216,7 +236,11 @@ def render_body(results: dict) -> str:
         row("model states per rank (measured)", lambda n: f"{cells[n]['model_state_bytes_per_rank'] / 1e6:.1f} MB"),
         row(
             "export check (`final/` reloaded vs trained)",
-            lambda n: f"max logit diff {cells[n]['export_check']['max_abs_logit_diff']:.1e}",
+            lambda n: (
+                f"max logit diff {cells[n]['export_check']['max_abs_logit_diff']:.1e} "
+                f"({'within' if cells[n]['export_check']['ok'] else 'OUTSIDE'} {cells[n]['export_check']['dtype']} "
+                "tolerance)"
+            ),
         ),
     ]
     quality = results["tp_quality"]
