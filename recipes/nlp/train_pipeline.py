@@ -5,8 +5,9 @@ Launch, from the repository root (any launcher that sets RANK, WORLD_SIZE, MASTE
     torchrun --nproc_per_node 2 recipes/nlp/train_pipeline.py pipeline_parallel=2 preset=deepspeed_stage_1  # CPU
     torchrun --nproc_per_node 4 recipes/nlp/train_pipeline.py pipeline_parallel=2 preset=deepspeed_stage_1 \\
         pipeline_micro_batches=4                                                        # 2 stages x 2 replicas
-    deepspeed --num_gpus 8 recipes/nlp/train_pipeline.py --config recipes/nlp/configs/llama_1b.yaml \\
-        pipeline_parallel=4 preset=deepspeed_stage_1                                    # 8 GPUs: 4 stages x 2
+    deepspeed --no_local_rank --num_gpus 8 recipes/nlp/train_pipeline.py --config recipes/nlp/configs/llama_1b.yaml \\
+        pipeline_parallel=4 preset=deepspeed_stage_1 grad_accum=1 pipeline_micro_batches=16 \\
+        activation_checkpointing=full                                                   # 8 GPUs: 4 stages x 2
     python recipes/nlp/train_pipeline.py preset=deepspeed_stage_1                       # one process, one stage
 
 Lightning and Accelerate drive a plain DeepSpeed engine, so pipeline parallelism has a loop of its own: the same
