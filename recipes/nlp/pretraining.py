@@ -241,6 +241,11 @@ def check_pipeline_parallel(
             f"pipeline_parallel={pp} does not divide the {world_size} rank(s) (world = pipeline_parallel x data "
             f"parallel); use one of {divisors}"
         )
+    if getattr(config, "model_type", None) != "llama":
+        raise ConfigError(
+            f"the pipeline entry point cuts a Llama into layers (embed_tokens, layers, norm, lm_head); the model is "
+            f"{getattr(config, 'model_type', None)!r}: use a Llama or train it with train.py / train_accelerate.py"
+        )
     if getattr(config, "tie_word_embeddings", False):
         raise ConfigError(
             "the model ties its input embedding to its output layer: the first and last pipeline stages would share "

@@ -22,13 +22,15 @@ with its pipeline engine: use ``preset=deepspeed_stage_1`` (or stage 0). ``activ
 Keys, run directory and ``summary.json`` are those of train.py; ``summary.json`` adds ``pipeline`` (stages,
 micro-batches, the parameter bytes each rank holds). checkpoints/ hold DeepSpeed's pipeline files
 (``layer_XX-model_states.pt``); ``final/`` is the whole model in Hugging Face format, gathered from the stages and
-checked against the pipeline's own logits. ``resume=true`` is not supported on this entry point.
+checked against the pipeline's own logits. ``resume=true`` continues from checkpoints/latest with the same stages
+and data-parallel size (a universal conversion of pipeline checkpoints is not supported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import warnings
 from datetime import timedelta
@@ -57,6 +59,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     param_groups,
     param_sizes,
     resolve_ds_config,
+    resume_point,
     summarize,
     tokenizer_source,
     tokens_per_rank_step,
@@ -67,9 +70,10 @@ from tqdm.auto import tqdm
 
 from common.accounting import model_state_bytes
 from common.async_checkpoint import make_checkpointer
-from common.config import parse_recipe_args
+from common.config import config_to_dict, parse_recipe_args
 from common.errors import ConfigError, exit_on_user_error
 from common.metrics import Clock, all_reduce, peak_memory_bytes
+from common.resume import prepare_resume
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
 from common.strategy import make_optimizer, torch_dtype
 from nlp.data import DataError
@@ -200,10 +204,17 @@ def main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)
-    if cfg.resume:
-        raise ConfigError("resume=true is not supported on train_pipeline.py yet; start a new run (out_dir=...)")
     ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
     check_pipeline_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config, pipeline_engine=True)
+    # A different model or config (pipeline_parallel too), no complete checkpoint: refused by resume_point().
+    resume = resume_point(cfg, world_size)
+    if resume and resume.universal:
+        raise ConfigError(
+            f"resume on train_pipeline.py needs the data-parallel size the checkpoint was written with "
+            f"({resume.saved_world_size}, now {world_size // cfg.pipeline_parallel}): a universal conversion of "
+            "pipeline checkpoints is not supported here"
+        )
+    start_step = resume.step if resume else 0
     on_gpu = torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank}" if on_gpu else "cpu")
     if on_gpu:
@@ -216,10 +227,12 @@ def main() -> None:
     # --- data: rank 0 trains the tokenizer and writes the run files, the other ranks then load them ---
     trained_tokenizer = tokenizer_source(cfg, trained_here=False) is None
     if main_process:
-        data = load_data(cfg, tokenizer_source(cfg, trained_here=False), world_size)
-        prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=False)
-        write_run_files(cfg, out_dir, ds_config, data, world_size, device.type, trained_tokenizer)
+        data = load_data(cfg, tokenizer_source(cfg, trained_here=cfg.resume), world_size)
+        prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
+        write_run_files(cfg, out_dir, ds_config, data, world_size, device.type, trained_tokenizer and not cfg.resume)
         print(f"data: {data.info()}", flush=True)
+        if resume:
+            prepare_resume(resume, config_to_dict(cfg))
     dist.barrier()
     if not main_process:
         data = load_data(cfg, tokenizer_source(cfg, trained_here=True), world_size)
@@ -257,13 +270,16 @@ def main() -> None:
         raise RuntimeError(f"rank {rank}: the pipeline grid gives (stage, dp rank, dp size) {grid}")
     checkpointer = make_checkpointer(cfg, rank, world_size, dist.barrier)
     checkpointer.install(engine)
+    if resume:  # each rank its stage's layers and optimizer shard; the scheduler is in the engine's files
+        engine.load_checkpoint(str(resume.load_path))
 
-    loader = train_loader(data, cfg, dp_rank, dp_size, start_step=0)
+    loader = train_loader(data, cfg, dp_rank, dp_size, start_step)
     batches = micro_batches(loader)  # train_batch() pulls grad_accum micro-batches a step
     val_batches = eval_batches(data, cfg, dp_rank, dp_size)
     log = MetricsLog(out_dir, enabled=main_process)
-    bar = tqdm(total=cfg.max_steps, desc="train", disable=not main_process, dynamic_ncols=True)
+    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not main_process, dynamic_ncols=True)
     model_states: dict[str, int] = {}
+    val_loss = math.nan
 
     def run_eval(step: int) -> float:
         loss = evaluate_pipeline(engine, val_batches, cfg.micro_batch_size)
@@ -274,13 +290,14 @@ def main() -> None:
 
     # --- training: one train_batch() = one optimizer step over grad_accum micro-batches in flight ---
     tokens_per_step = tokens_per_rank_step(cfg)  # per device
-    val_loss = run_eval(0)
+    if start_step == 0:
+        val_loss = run_eval(0)
     clock.skip()
-    for step in range(1, cfg.max_steps + 1):
+    for step in range(start_step + 1, cfg.max_steps + 1):
         loss = engine.train_batch(data_iter=batches)  # the mean over micro-batches and replicas, on every stage
         clock.step_done()
         bar.update(1)
-        if step == 1:
+        if step == start_step + 1:
             model_states = model_state_bytes(engine)
             if main_process:
                 bar.write(measured_text(model_states))

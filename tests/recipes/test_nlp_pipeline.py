@@ -1,8 +1,9 @@
 """``recipes/nlp/train_pipeline.py``: DeepSpeed's pipeline engine on the NLP recipe's Llama, ZeRO 1, through the recipe.
 
-The equivalence run compares pipeline parallel 2 on 2 processes (one data-parallel replica, launched by torchrun) with
-one stage in one process (a bare ``python`` run): the same micro-batches, the same global batch, so fp32 losses agree
-to rounding. One pair of runs serves every slow assertion (a module-scoped fixture).
+The equivalence run compares pipeline parallel 2 on 2 processes (one data-parallel replica, launched by torchrun;
+stopped after RESUME_AT steps and resumed) with one stage in one process (a bare ``python`` run, uninterrupted): the
+same micro-batches, the same global batch, so fp32 losses agree to rounding. One set of runs serves every slow
+assertion (a module-scoped fixture).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from common.tools.export import open_checkpoint
 RECIPE = REPO / "recipes" / "nlp"
 TRAIN_PIPELINE = RECIPE / "train_pipeline.py"
 STEPS = 5
+RESUME_AT = 3  # the PP 2 run stops here, then resume=true trains it to STEPS
 RUN = [
     "data=stdlib",
     "max_train_tokens=60000",
@@ -38,6 +40,7 @@ RUN = [
     "log_interval=1",
     "sample_tokens=4",
     "warmup_steps=2",
+    "min_lr_ratio=1.0",  # constant after warmup: a run stopped at RESUME_AT keeps the schedule of the whole run
 ]
 
 
@@ -107,13 +110,14 @@ def runs(tmp_path_factory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("pipeline")
     pp2, pp1 = root / "pp2", root / "pp1"
     torchrun = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    run([*torchrun, TRAIN_PIPELINE, f"out_dir={pp2}", "pipeline_parallel=2", *RUN], timeout=600)
+    run([*torchrun, TRAIN_PIPELINE, f"out_dir={pp2}", "pipeline_parallel=2", *RUN, f"max_steps={RESUME_AT}"])
+    run([*torchrun, TRAIN_PIPELINE, f"out_dir={pp2}", "pipeline_parallel=2", *RUN, "resume=true"], timeout=600)
     run([PYTHON, TRAIN_PIPELINE, f"out_dir={pp1}", *RUN], timeout=600)  # one process, one stage, no launcher
     return {2: pp2, 1: pp1}
 
 
 @pytest.mark.slow
-def test_pipeline_2_trains_like_one_stage(runs):
+def test_pipeline_2_trains_and_resumes_like_one_stage(runs, recipe_modules):
     pp2, pp1 = train_losses(runs[2]), train_losses(runs[1])
     assert sorted(pp2) == sorted(pp1) == list(range(1, STEPS + 1))
     for step in pp1:
@@ -127,6 +131,11 @@ def test_pipeline_2_trains_like_one_stage(runs):
     for name in ("config.yaml", "ds_config.json", "env.json", "metrics.jsonl", "tokenizer", "final"):
         assert (runs[2] / name).exists(), name
     assert {"val_loss", "initial_val_loss", "throughput", "tokens_per_step", "export_check", "sample"} <= set(summary)
+    # Resume with another number of stages: refused before any work (pipeline_parallel is no resumable key).
+    nlp_config, pretraining = recipe_modules
+    other = load_config(nlp_config.NLPConfig, None, [f"out_dir={runs[2]}", "resume=true", "pipeline_parallel=1", *RUN])
+    with pytest.raises(ConfigError, match="pipeline_parallel"):
+        pretraining.resume_point(other, 2)
 
 
 @pytest.mark.slow
