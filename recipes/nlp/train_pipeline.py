@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import math
 import os
+import socket
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -199,7 +200,10 @@ def main() -> None:
     # torchrun, deepspeed and accelerate launch set these; a bare `python` run is one process.
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
+        if "MASTER_PORT" not in os.environ:  # a port nobody listens on: two one-process runs may share the machine
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
