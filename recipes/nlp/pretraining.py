@@ -1,8 +1,9 @@
 """What the NLP recipe trains and reports: data, the Llama model, loss, evaluation, memory plan, run files, export
 and summary.json.
 
-``train.py`` (Lightning) and ``train_accelerate.py`` (Accelerate) both import this module, so they train the same
-model on the same data, in the same order, with the same DeepSpeed config, and write the same run files. The
+``train.py`` (Lightning), ``train_accelerate.py`` (Accelerate) and ``train_pipeline.py`` (DeepSpeed's pipeline
+engine) import this module, so they train the same model on the same data, in the same order, with the same DeepSpeed
+config, and write the same run files. The
 config is in ``nlp_config.py``; ``describe(cfg)`` is what ``--describe`` prints for the planning tools.
 """
 
@@ -608,7 +609,8 @@ def final_export(
 
 @dataclass
 class NLPSummary:
-    """``summary.json``: the keys every recipe reports, plus the NLP figures (the same keys on both backends)."""
+    """``summary.json``: the keys every recipe reports, plus the NLP figures (the same keys on every entry point;
+    ``pipeline`` is None but on ``train_pipeline.py``)."""
 
     val_loss: float  # the last evaluation's, over every rank's validation blocks
     val_perplexity: float
