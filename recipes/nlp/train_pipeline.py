@@ -253,6 +253,9 @@ def main() -> None:
         loss_fn=loss_fn,
         partition_method="type:DecoderLayer",  # the same number of decoder layers on each stage
         activation_checkpoint_interval=PIPELINE_CHECKPOINT_INTERVAL[cfg.activation_checkpointing],
+        # Only runs of decoder layers: a checkpointed embedding gets token ids, which need no gradient, and DeepSpeed's
+        # (reentrant) checkpoint then returns activations without one ("loss must be a scalar tensor" in backward).
+        checkpointable_layers=["DecoderLayer"],
     )
     held = sum(p.numel() for p in pipe.parameters())
     del model  # the other stages' layers are freed with it
