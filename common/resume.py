@@ -48,6 +48,7 @@ RESUMABLE_KEYS = frozenset(
         "num_nodes",
         "micro_batch_size",
         "grad_accum",
+        "pipeline_micro_batches",  # train_pipeline.py's name for grad_accum
         "eval_interval",
         "checkpoint_interval",
         "keep_last",

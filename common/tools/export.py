@@ -269,6 +269,14 @@ def _optimizer_files(tag_dir: Path, world_size: int) -> list[Path]:
 def open_checkpoint(path: str | Path) -> ZeroCheckpoint:
     """Resolve ``path``, read the structure of every shard, and place every tensor (no tensor data is read)."""
     tag_dir, run_dir = locate(path)
+    if any(tag_dir.glob("layer_*-model_states.pt")):
+        # The NLP recipe's train_pipeline.py: DeepSpeed's pipeline engine writes one file per layer, under its own
+        # layer names, and one mp_rank file per stage; none of them is a ZeRO model-states file with param_shapes.
+        raise ConfigError(
+            f"{tag_dir} was written by DeepSpeed's pipeline engine (layer_XX-model_states.pt files): export reads "
+            "ZeRO checkpoints of a whole model only; use the run's final/ folder (train_pipeline.py gathers the "
+            "stages into it at the end)"
+        )
     slices = {match.group(1) for f in tag_dir.glob("*.pt") if (match := _TP_SLICE.search(f.name))}
     if len(slices) > 1:
         # AutoTP (the NLP recipe's tensor_parallel=N): each mp_rank_XX file holds a slice of every split matrix.

@@ -50,6 +50,8 @@ class NLPConfig:
     precision: str = "bf16"  # bf16, fp16 or fp32 (fp32: exact arithmetic, used by the resume test)
     ds_overrides: list[str] = field(default_factory=list)  # DeepSpeed key=value, e.g. zero_optimization.stage=2
     tensor_parallel: int = 1  # AutoTP: ranks that split every layer's matrices (Accelerate; ZeRO 0-2); DP = world / it
+    pipeline_parallel: int = 1  # pipeline stages, each holding a slice of the layers (train_pipeline.py; ZeRO 0-1)
+    pipeline_micro_batches: int = 0  # micro-batches in flight per step (train_pipeline.py; 0: grad_accum's)
     activation_checkpointing: str = "none"  # none|full|every_k|selective|save_memory_optimized
     gradient_clipping: float = 1.0  # max gradient norm, 0 = off
     nvme_path: str = ""  # local NVMe folder the *_offload_nvme presets swap to ("": none)
@@ -85,11 +87,18 @@ class NLPConfig:
 
     def __post_init__(self) -> None:
         positive = "max_steps num_nodes micro_batch_size grad_accum seq_len vocab_size eval_interval log_interval"
-        positive += " checkpoint_interval collective_timeout_s tensor_parallel"
+        positive += " checkpoint_interval collective_timeout_s tensor_parallel pipeline_parallel"
         for name in positive.split():
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("devices", "warmup_steps", "max_train_tokens", "max_val_tokens", "sample_tokens"):
+        for name in (
+            "devices",
+            "warmup_steps",
+            "max_train_tokens",
+            "max_val_tokens",
+            "sample_tokens",
+            "pipeline_micro_batches",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.preset not in PRESET_NAMES:
@@ -113,6 +122,13 @@ class NLPConfig:
         if self.resume and self.overwrite:
             raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
         check_retention(self.keep_last, self.keep_every, self.checkpoint_interval)
+        if self.pipeline_micro_batches and self.grad_accum not in (1, self.pipeline_micro_batches):
+            raise ConfigError(
+                f"pipeline_micro_batches={self.pipeline_micro_batches} and grad_accum={self.grad_accum} both set the "
+                "micro-batches per step; set one of them"
+            )
+        if self.pipeline_micro_batches:  # the pipeline's name for gradient accumulation: one value from here on
+            self.grad_accum = self.pipeline_micro_batches
 
     @property
     def pretrained(self) -> Path | None:

@@ -1,8 +1,9 @@
 """What the NLP recipe trains and reports: data, the Llama model, loss, evaluation, memory plan, run files, export
 and summary.json.
 
-``train.py`` (Lightning) and ``train_accelerate.py`` (Accelerate) both import this module, so they train the same
-model on the same data, in the same order, with the same DeepSpeed config, and write the same run files. The
+``train.py`` (Lightning), ``train_accelerate.py`` (Accelerate) and ``train_pipeline.py`` (DeepSpeed's pipeline
+engine) import this module, so they train the same model on the same data, in the same order, with the same DeepSpeed
+config, and write the same run files. The
 config is in ``nlp_config.py``; ``describe(cfg)`` is what ``--describe`` prints for the planning tools.
 """
 
@@ -169,6 +170,8 @@ def deepspeed_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[
         # as micro x accumulation x world size (not the data-parallel size) and refuses any other value.
         ds_config["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel}
         ds_config.pop("train_batch_size", None)
+    if cfg.pipeline_parallel > 1:  # the same: the pipeline engine's batch is micro x accumulation x data parallel
+        ds_config.pop("train_batch_size", None)
     return ds_config
 
 
@@ -198,13 +201,80 @@ def check_tensor_parallel(cfg: NLPConfig, world_size: int, config: Any, ds_confi
         )
 
 
+def check_pipeline_parallel(
+    cfg: NLPConfig, world_size: int, config: Any, ds_config: dict[str, Any], pipeline_engine: bool
+) -> None:
+    """Refuse a ``pipeline_parallel`` the run cannot use, before any work (one ConfigError naming the fix).
+
+    Args:
+        pipeline_engine: the caller is ``train_pipeline.py`` (DeepSpeed's pipeline engine); Lightning and Accelerate
+            drive a plain ``DeepSpeedEngine``, which has no pipeline schedule.
+    """
+    pp = cfg.pipeline_parallel
+    if not pipeline_engine:
+        if pp > 1:
+            raise ConfigError(
+                f"pipeline_parallel={pp} runs on recipes/nlp/train_pipeline.py (DeepSpeed's pipeline engine): "
+                "Lightning and Accelerate cannot drive engine.train_batch(); launch that script instead"
+            )
+        return
+    if cfg.tensor_parallel > 1:
+        raise ConfigError(
+            f"tensor_parallel={cfg.tensor_parallel} with the pipeline engine: DeepSpeed's AutoTP shards a plain module "
+            "inside deepspeed.initialize and is not wired into PipelineModule; use tensor_parallel on "
+            "train_accelerate.py, or pipeline_parallel here, not both"
+        )
+    if zero_stage(ds_config) >= 2:
+        raise ConfigError(
+            f"preset={cfg.preset} is ZeRO stage {zero_stage(ds_config)}: DeepSpeed's pipeline engine runs stage 0 or 1 "
+            'only ("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"); use preset=deepspeed_stage_1 '
+            "(optimizer states sharded over the data-parallel ranks)"
+        )
+    layers = config.num_hidden_layers
+    if pp > layers:
+        raise ConfigError(
+            f"pipeline_parallel={pp} is more than the model's {layers} decoder layers: every stage needs one at least; "
+            f"use at most {layers}"
+        )
+    if world_size % pp:
+        divisors = ", ".join(str(d) for d in range(1, min(world_size, layers) + 1) if world_size % d == 0)
+        raise ConfigError(
+            f"pipeline_parallel={pp} does not divide the {world_size} rank(s) (world = pipeline_parallel x data "
+            f"parallel); use one of {divisors}"
+        )
+    if getattr(config, "model_type", None) != "llama":
+        raise ConfigError(
+            f"the pipeline entry point cuts a Llama into layers (embed_tokens, layers, norm, lm_head); the model is "
+            f"{getattr(config, 'model_type', None)!r}: use a Llama or train it with train.py / train_accelerate.py"
+        )
+    if getattr(config, "tie_word_embeddings", False):
+        raise ConfigError(
+            "the model ties its input embedding to its output layer: the first and last pipeline stages would share "
+            "one matrix (TiedLayerSpec), which this recipe does not build; use a model with tie_word_embeddings=false"
+        )
+    if cfg.activation_checkpointing not in PIPELINE_CHECKPOINT_INTERVAL:
+        raise ConfigError(
+            f"activation_checkpointing={cfg.activation_checkpointing} is not available on the pipeline engine (it "
+            f"checkpoints whole layers); use one of {', '.join(PIPELINE_CHECKPOINT_INTERVAL)}"
+        )
+
+
+# activation_checkpointing -> PipelineModule's activation_checkpoint_interval (layers per checkpointed run; 0: off)
+PIPELINE_CHECKPOINT_INTERVAL = {"none": 0, "full": 1, "every_k": 2}
+
+
 def data_parallel(cfg: NLPConfig, rank: int, world_size: int) -> tuple[int, int]:
     """This rank's (data-parallel rank, data-parallel size): the replica whose batches it reads.
 
     DeepSpeed's AutoTP mesh is (data parallel, tensor parallel), row-major (``groups._init_tp_mesh_device``):
     ranks ``r * tp .. r * tp + tp - 1`` form replica ``r``'s tensor-parallel group and must read the same batch
-    (:func:`check_mesh` verifies it on the engine).
+    (:func:`check_mesh` verifies it on the engine). DeepSpeed's pipeline topology is (pipe, data), row-major
+    (``PipeDataParallelTopology``): stage ``s`` is ranks ``s * dp .. s * dp + dp - 1``, and rank ``r`` reads replica
+    ``r % dp``'s batches (the first stage its inputs, the last its labels; ``train_pipeline.py`` checks the grid).
     """
+    if cfg.pipeline_parallel > 1:
+        dp_size = world_size // cfg.pipeline_parallel
+        return rank % dp_size, dp_size
     return rank // cfg.tensor_parallel, world_size // cfg.tensor_parallel
 
 
@@ -229,8 +299,9 @@ def resume_point(cfg: NLPConfig, world_size: int) -> ResumePoint | None:
 
 
 def tokens_per_rank_step(cfg: NLPConfig) -> float:
-    """Tokens one rank trains on per optimizer step: the ranks of a tensor-parallel group share their replica's."""
-    return cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / cfg.tensor_parallel
+    """Tokens one rank trains on per optimizer step: the ranks of a tensor-parallel group or of a pipeline share their
+    replica's."""
+    return cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / (cfg.tensor_parallel * cfg.pipeline_parallel)
 
 
 def check_replica_batch(cfg: NLPConfig, input_ids: torch.Tensor) -> None:
@@ -439,12 +510,12 @@ def measured_text(measured: dict[str, int]) -> str:
 # --- what --describe prints ----------------------------------------------------------------------
 
 
-def describe(cfg: NLPConfig) -> RecipeDescription:
+def describe(cfg: NLPConfig, pipeline_engine: bool = False) -> RecipeDescription:
     """The run as the planning tools see it: reads the model's config only (no corpus, no weights), writes nothing.
 
     Parameters are counted on the meta device. A named size's vocabulary is the tokenizer's when one exists already
     (``tokenizer=``, the model folder's, or the run's own on resume), else ``vocab_size`` (the BPE the run would
-    train has that many tokens).
+    train has that many tokens). ``pipeline_engine``: asked by ``train_pipeline.py`` (:func:`check_pipeline_parallel`).
     """
     devices, num_nodes = local_world(cfg.devices, cfg.num_nodes)
     world_size = devices * num_nodes
@@ -453,6 +524,7 @@ def describe(cfg: NLPConfig) -> RecipeDescription:
     config = model_config(cfg, load_tokenizer(source) if source else None)
     facts = facts_from_model_config(config, source=f"recipe nlp (model={cfg.model})")
     ds_config = deepspeed_config(cfg, world_size, config.hidden_size)
+    check_pipeline_parallel(cfg, world_size, config, ds_config, pipeline_engine)
     check_tensor_parallel(cfg, world_size, config, ds_config)
     return RecipeDescription(
         recipe="nlp",
@@ -551,7 +623,8 @@ def final_export(
 
 @dataclass
 class NLPSummary:
-    """``summary.json``: the keys every recipe reports, plus the NLP figures (the same keys on both backends)."""
+    """``summary.json``: the keys every recipe reports, plus the NLP figures (the same keys on every entry point;
+    ``pipeline`` is None but on ``train_pipeline.py``)."""
 
     val_loss: float  # the last evaluation's, over every rank's validation blocks
     val_perplexity: float
@@ -580,6 +653,7 @@ class NLPSummary:
     data: dict[str, Any]
     export_check: dict[str, Any]
     sample: str
+    pipeline: dict[str, Any] | None = None  # train_pipeline.py: stages, micro-batches, parameter bytes of each rank
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -656,6 +730,48 @@ def finish(
     if rank != 0:
         return None
     export_check, sample = final_export(model, state, data.tokenizer, out_dir, fixed, logits, cfg, attention, device)
+    return summarize(
+        cfg,
+        ds_config,
+        data,
+        config,
+        attention,
+        world_size,
+        clock,
+        backend,
+        steps,
+        val_loss,
+        model_states,
+        plan,
+        held_at_construction,
+        peak,
+        export_check,
+        sample,
+    )
+
+
+def summarize(
+    cfg: NLPConfig,
+    ds_config: dict[str, Any],
+    data: LMData,
+    config: Any,
+    attention: str,
+    world_size: int,
+    clock: Clock,
+    backend: str,
+    steps: int,
+    val_loss: float,
+    model_states: dict[str, int],
+    plan: MemoryPlan,
+    held_at_construction: int,
+    peak: int,
+    export_check: dict[str, Any],
+    sample: str,
+    pipeline: dict[str, Any] | None = None,
+) -> NLPSummary:
+    """Rank 0, once ``final/`` is written and checked: the run's ``summary.json`` (:func:`finish`'s arguments, plus the
+    peak memory over ranks, the export check, the sample and the pipeline's layout when there is one)."""
+    out_dir = Path(cfg.out_dir)
     tokens_per_step = tokens_per_rank_step(cfg)
     tokens_per_s = tokens_per_step / clock.median_step()
     initial = initial_val_loss(out_dir)
@@ -687,4 +803,5 @@ def finish(
         data=data.info(),
         export_check=export_check,
         sample=sample,
+        pipeline=pipeline,
     )

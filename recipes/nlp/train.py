@@ -38,6 +38,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     NLPSummary,
     build_model,
     check_mesh,
+    check_pipeline_parallel,
     check_replica_batch,
     check_tensor_parallel,
     data_parallel,
@@ -240,6 +241,7 @@ def main() -> None:
     data = load_data(cfg, tokenizer_source(cfg, trained_here=cfg.resume or not rank0), world_size)
     config = model_config(cfg, data.tokenizer)
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
+    check_pipeline_parallel(cfg, world_size, config, ds_config, pipeline_engine=False)
     check_tensor_parallel(cfg, world_size, config, ds_config)
     attention = resolve_attention(cfg.attention, "cuda" if on_gpu else "cpu", torch_dtype(cfg.precision))
     if rank0:

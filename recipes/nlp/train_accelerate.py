@@ -31,6 +31,7 @@ from nlp_config import DEFAULT_CONFIG, NLPConfig  # next to this script
 from pretraining import (  # next to this script: data, model, loss, evaluation, run files, summary
     build_model,
     check_mesh,
+    check_pipeline_parallel,
     check_tensor_parallel,
     data_parallel,
     describe,
@@ -85,6 +86,7 @@ def main() -> None:
     refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)
     # --- DeepSpeed through Accelerate: the factory's dict, with ZeRO-3's partitioned construction turned on ---
     ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
+    check_pipeline_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config, pipeline_engine=False)
     check_tensor_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
     # A different model or config, no complete checkpoint: refused; another data-parallel size: a universal checkpoint.
     resume = resume_point(cfg, world_size)

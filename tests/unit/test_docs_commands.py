@@ -2,8 +2,9 @@
 
 Commands are taken from README.md and docs/*.md, in fenced code blocks and in inline backticks:
 ``zero-recipes ...`` goes through the CLI's own argparse parser; ``python recipes/...`` (and the script part of
-``accelerate launch ... recipes/...``) through the recipe's argument parser, then its config class: every key must
-be a field, every value must convert to the field's type, and the config must build (presets, precisions, choices).
+``accelerate launch ... recipes/...``, ``torchrun ... recipes/...`` and ``deepspeed ... recipes/...``) through the
+recipe's argument parser, then its config class: every key must be a field, every value must convert to the field's
+type, and the config must build (presets, precisions, choices).
 
 Placeholders a user fills in are written in the docs as ``UPPER_CASE`` words, ``<name>``, ``...`` or a path of
 their own (``data=my_images/``): those values are not converted, the key still has to exist; ``recipes/<r>/`` stands
@@ -37,6 +38,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 INLINE = re.compile(r"`([^`]+)`")
 SCRIPT = re.compile(r"^recipes/(?P<folder>[^/\s]+)/(?P<stem>[A-Za-z_]+)\.py$")
+LAUNCHERS = ("torchrun", "deepspeed")  # launchers that take a script path (train_pipeline.py's commands)
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$|<[^>]*>|\.\.\.")
 
 
@@ -91,7 +93,8 @@ def command_in(part: str, where: str) -> DocCommand | None:
         if token == "zero-recipes" and i == 0:
             return DocCommand(where, "cli", tuple(tokens[1:]))
         launcher = tokens[i - 1] if i else ""
-        if SCRIPT.match(token) and (launcher == "python" or "launch" in " ".join(tokens[:i])):
+        launched = "launch" in " ".join(tokens[:i]) or tokens[0] in LAUNCHERS
+        if SCRIPT.match(token) and (launcher == "python" or launched):
             return DocCommand(where, "script", tuple(tokens[i:]))
     return None
 
