@@ -58,7 +58,6 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     memory_plan,
     model_config,
     param_groups,
-    param_sizes,
     resolve_ds_config,
     resume_point,
     summarize,
@@ -246,7 +245,7 @@ def main() -> None:
     attention = resolve_attention(cfg.attention, device.type, torch_dtype(cfg.precision))
     # Without transformers-level checkpointing: PipelineModule checkpoints its layers itself.
     model = build_model(dataclasses.replace(cfg, activation_checkpointing="none"), config, attention)
-    plan = memory_plan(param_sizes(model), ds_config, world_size // cfg.pipeline_parallel)
+    plan = memory_plan(model, ds_config, world_size // cfg.pipeline_parallel)
     pipe = deepspeed.pipe.PipelineModule(
         layers=pipeline_layers(model, attention),
         num_stages=cfg.pipeline_parallel,
