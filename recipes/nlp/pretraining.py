@@ -280,6 +280,12 @@ def resume_point(cfg: NLPConfig, world_size: int) -> ResumePoint | None:
             f"written with ({resume.saved_world_size}, now {dp_size}): a universal conversion of tensor-parallel "
             "shards is not supported here"
         )
+    if resume.universal and cfg.moe:
+        raise ConfigError(
+            f"resume of a MoE model needs the data-parallel size the checkpoint was written with "
+            f"({resume.saved_world_size}, now {dp_size}): a universal conversion of DeepSpeed's expert files is not "
+            "supported here"
+        )
     return resume
 
 
