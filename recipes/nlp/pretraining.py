@@ -219,8 +219,8 @@ def check_expert_parallel(cfg: NLPConfig, world_size: int, config: Any, ds_confi
     ep = cfg.expert_parallel
     if ep > 1 and not cfg.moe:
         raise ConfigError(
-            f"expert_parallel={ep} on the dense model {cfg.model!r}: expert parallelism splits MoE experts; use "
-            f"model={' or model='.join(MOE_SIZES)}"
+            f"expert_parallel={ep} needs a DeepSpeed-MoE model: model={' or model='.join(MOE_SIZES)}; {cfg.model!r} "
+            "is not one (a dense size, or a local folder, which trains with its own layers and no expert parallelism)"
         )
     if not cfg.moe:
         return
