@@ -26,7 +26,7 @@ RECIPE = REPO / "recipes" / "nlp"
 TRAIN_ACCELERATE = RECIPE / "train_accelerate.py"
 sys.path.insert(0, str(RECIPE))  # nlp_config, pretraining: next to the recipe
 
-STEPS = 5
+STEPS = 5  # then EP 2 resumes from its step-STEPS checkpoint for 2 more; EP 1 runs STEPS + 2 uninterrupted
 RUN = [
     "model=moe_tiny",
     "data=stdlib",
@@ -42,6 +42,7 @@ RUN = [
     "log_interval=1",
     "sample_tokens=4",
     "warmup_steps=2",
+    "min_lr_ratio=1.0",  # constant after warmup: a run resumed with a larger max_steps keeps the same schedule
 ]
 
 
@@ -170,18 +171,20 @@ def test_the_export_is_a_transformers_mixtral_with_the_same_logits(moe_model):
 # --- slow: EP 2 trains like EP 1 (pure data parallel); its memory is the planner's; its checkpoint and export ---
 
 
-def launch(out_dir: Path, ep: int) -> Path:
-    accelerate_launch(
-        TRAIN_ACCELERATE, [f"out_dir={out_dir}", f"expert_parallel={ep}", *RUN], RECIPE / "accelerate.yaml"
-    )
+def launch(out_dir: Path, ep: int, *extra: str) -> Path:
+    args = [f"out_dir={out_dir}", f"expert_parallel={ep}", *RUN, *extra]
+    accelerate_launch(TRAIN_ACCELERATE, args, RECIPE / "accelerate.yaml")
     return out_dir
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two 2-process Accelerate runs on the same batches, shared by the slow tests: EP 2 and EP 1."""
+    """2-process Accelerate runs on the same batches, shared by the slow tests: EP 2 (STEPS steps, then resumed to
+    STEPS + 2) and EP 1 (STEPS + 2 steps)."""
     root = tmp_path_factory.mktemp("moe")
-    return {ep: launch(root / f"ep{ep}", ep) for ep in (2, 1)}
+    launch(root / "ep2", 2)
+    launch(root / "ep2", 2, "resume=true", f"max_steps={STEPS + 2}")
+    return {2: root / "ep2", 1: launch(root / "ep1", 1, f"max_steps={STEPS + 2}")}
 
 
 def metric(out_dir: Path, key: str) -> dict[int, float]:
@@ -189,20 +192,20 @@ def metric(out_dir: Path, key: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_expert_parallel_2_trains_like_data_parallel(runs):
+def test_expert_parallel_2_trains_and_resumes_like_data_parallel(runs):
     for key in ("train_loss", "aux_loss"):
         ep2, ep1 = metric(runs[2], key), metric(runs[1], key)
-        assert sorted(ep2) == sorted(ep1) == list(range(1, STEPS + 1)), (key, ep2, ep1)
+        assert sorted(ep2) == sorted(ep1) == list(range(1, STEPS + 3)), (key, ep2, ep1)
         for step in ep1:
             assert math.isfinite(ep2[step]), (key, ep2)
             assert math.isclose(ep2[step], ep1[step], rel_tol=1e-5), (key, step, ep2, ep1)
     losses = metric(runs[2], "train_loss")
-    assert losses[STEPS] < losses[1]  # it trained
+    assert losses[STEPS + 2] < losses[1]  # it trained
     summary, reference = read_json(runs[2] / "summary.json"), read_json(runs[1] / "summary.json")
     assert math.isclose(summary["val_loss"], reference["val_loss"], rel_tol=1e-5)
     moe = summary["moe"]
     assert moe["expert_parallel"] == 2 and moe["num_experts"] == 4 and moe["top_k"] == 2
-    assert moe["aux_loss"] == metric(runs[2], "aux_loss")[STEPS] and math.isfinite(moe["aux_loss"])
+    assert moe["aux_loss"] == metric(runs[2], "aux_loss")[STEPS + 2] and math.isfinite(moe["aux_loss"])
 
 
 @pytest.mark.slow
@@ -231,7 +234,7 @@ def test_the_run_saves_exports_a_mixtral_and_zero_recipes_export_refuses(runs):
     check = summary["export_check"]
     assert check["ok"] and check["max_abs_logit_diff"] < 1e-4, check
     assert read_json(runs[2] / "final" / "config.json")["model_type"] == "mixtral"
-    checkpoint = runs[2] / "checkpoints" / f"step_{STEPS:06d}"
+    checkpoint = runs[2] / "checkpoints" / f"step_{STEPS + 2:06d}"
     assert len(list(checkpoint.glob("*/layer_*_expert_*_model_states.pt"))) == 2 * 4  # layers x experts
     with pytest.raises(ConfigError, match="DeepSpeed MoE"):
         open_checkpoint(checkpoint)
