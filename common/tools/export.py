@@ -284,6 +284,14 @@ def open_checkpoint(path: str | Path) -> ZeroCheckpoint:
             f"{tag_dir} was written with tensor parallelism ({len(slices)} mp_rank slices): export reads "
             "unsplit ZeRO checkpoints only; use the run's final/ folder (the recipe gathers the slices at the end)"
         )
+    experts = list(tag_dir.glob("layer_*_expert_*_model_states.pt"))
+    if experts:
+        # DeepSpeed MoE (the NLP recipe's MoE models) saves each expert in a file of its own, outside the ZeRO shards.
+        raise ConfigError(
+            f"{tag_dir} was written with DeepSpeed MoE ({len(experts)} layer_*_expert_* files): export reads dense "
+            "ZeRO checkpoints only; use the run's final/ folder (the recipe gathers the experts into a Hugging Face "
+            "Mixtral model at the end)"
+        )
     model_file = sorted(tag_dir.glob("*_model_states.pt"))[0]  # rank 0's under ZeRO-3, the only one under 1/2
     first = load_structure(model_file)
     if "param_shapes" not in first or "buffer_names" not in first:

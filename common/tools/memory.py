@@ -652,7 +652,10 @@ def register(sub: Any) -> None:
         "--pipeline-parallel", type=int, default=1, help="PP: pipeline stages (DeepSpeed PipelineModule; default 1)"
     )
     p.add_argument(
-        "--expert-parallel", type=int, default=1, help="EP: ranks splitting a MoE layer's experts (default 1)"
+        "--expert-parallel",
+        type=int,
+        default=None,
+        help="EP: ranks splitting a MoE layer's experts (default 1, or the recipe's expert_parallel)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_estimate)
@@ -670,6 +673,7 @@ def _recipe_inputs(args: Any) -> tuple[ModelFacts, dict[str, Any]]:
         "precision": cfg.get("precision"),
         "attention": cfg.get("attention"),
         "lora_rank": cfg.get("lora_rank") if cfg.get("lora", True) else None,
+        "expert_parallel": cfg.get("expert_parallel"),
     }
     ac = cfg.get("activation_checkpointing", "none")
     if ac and ac != "none":
@@ -722,7 +726,9 @@ def cmd_estimate(args: Any) -> int:
         bandwidth_gbps=parse_bandwidths(args.bandwidth),
         tensor_parallel=args.tensor_parallel,
         pipeline_parallel=args.pipeline_parallel,
-        expert_parallel=args.expert_parallel,
+        expert_parallel=recipe_defaults.get("expert_parallel", 1)
+        if args.expert_parallel is None
+        else args.expert_parallel,
     )
     result = plan(facts, inputs)
     print(to_json_text(result) if args.json else format_plan(result))

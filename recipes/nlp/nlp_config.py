@@ -15,6 +15,7 @@ from common.presets import PRESET_NAMES
 from common.strategy import PRECISIONS
 from nlp.data import STDLIB
 from nlp.model import ATTENTION_CHOICES, LLAMA_SIZES
+from nlp.moe import MOE_SIZES
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_cpu.yaml"
 
@@ -52,6 +53,7 @@ class NLPConfig:
     tensor_parallel: int = 1  # AutoTP: ranks that split every layer's matrices (Accelerate; ZeRO 0-2); DP = world / it
     pipeline_parallel: int = 1  # pipeline stages, each holding a slice of the layers (train_pipeline.py; ZeRO 0-1)
     pipeline_micro_batches: int = 0  # micro-batches in flight per step (train_pipeline.py; 0: grad_accum's)
+    expert_parallel: int = 1  # MoE models: ranks that split each MoE layer's experts (ZeRO 1-2); all-to-all per layer
     activation_checkpointing: str = "none"  # none|full|every_k|selective|save_memory_optimized
     gradient_clipping: float = 1.0  # max gradient norm, 0 = off
     nvme_path: str = ""  # local NVMe folder the *_offload_nvme presets swap to ("": none)
@@ -63,7 +65,8 @@ class NLPConfig:
     weight_decay: float = 0.1
     warmup_steps: int = 30
     # --- model ---
-    model: str = "tiny"  # tiny|125m|1b|7b (built from a config) or a local Hugging Face model folder
+    model: str = "tiny"  # tiny|125m|1b|7b|moe_tiny|mixtral_8x7b (built from a config) or a local HF model folder
+    moe_aux_loss_coef: float = 0.01  # MoE models: weight of the router's load-balancing loss added to the LM loss
     attention: str = "auto"  # auto|flash_attention_2|sdpa|eager (auto: FlashAttention-2 on a GPU when installed)
     seq_len: int = 256  # tokens per sequence: activations grow with it (attention scores with its square)
     trust_remote_code: bool = False  # allow model code shipped inside a local model folder to run
@@ -87,7 +90,7 @@ class NLPConfig:
 
     def __post_init__(self) -> None:
         positive = "max_steps num_nodes micro_batch_size grad_accum seq_len vocab_size eval_interval log_interval"
-        positive += " checkpoint_interval collective_timeout_s tensor_parallel pipeline_parallel"
+        positive += " checkpoint_interval collective_timeout_s tensor_parallel pipeline_parallel expert_parallel"
         for name in positive.split():
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -110,11 +113,14 @@ class NLPConfig:
             )
         if self.attention not in ATTENTION_CHOICES:
             raise ConfigError(f"unknown attention {self.attention!r}{nearest(self.attention, ATTENTION_CHOICES)}")
-        if self.model not in LLAMA_SIZES and not Path(self.model).expanduser().is_dir():
+        sizes = [*LLAMA_SIZES, *MOE_SIZES]
+        if self.model not in sizes and not Path(self.model).expanduser().is_dir():
             raise ConfigError(
-                f"model must be one of {', '.join(LLAMA_SIZES)} or a local Hugging Face model folder; "
-                f"{self.model!r} is neither{nearest(self.model, LLAMA_SIZES)}"
+                f"model must be one of {', '.join(sizes)} or a local Hugging Face model folder; "
+                f"{self.model!r} is neither{nearest(self.model, sizes)}"
             )
+        if self.moe_aux_loss_coef < 0:
+            raise ConfigError(f"moe_aux_loss_coef must be >= 0, got {self.moe_aux_loss_coef}")
         if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0 or self.weight_decay < 0:
             raise ConfigError("need lr > 0, 0 <= min_lr_ratio <= 1 and weight_decay >= 0")
         if not 0.0 < self.val_fraction < 1.0:
@@ -133,4 +139,9 @@ class NLPConfig:
     @property
     def pretrained(self) -> Path | None:
         """The local model folder, or None for a named size built from a config."""
-        return None if self.model in LLAMA_SIZES else Path(self.model).expanduser()
+        return None if self.model in LLAMA_SIZES or self.model in MOE_SIZES else Path(self.model).expanduser()
+
+    @property
+    def moe(self) -> bool:
+        """A Mixture-of-Experts size (nlp/moe.py: DeepSpeed's MoE layer in every decoder layer)."""
+        return self.model in MOE_SIZES

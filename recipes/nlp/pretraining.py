@@ -46,6 +46,16 @@ from nlp.model import (
     llama_block_class,
     load_pretrained,
 )
+from nlp.moe import (
+    MOE_SIZES,
+    aux_loss,
+    build_moe_config,
+    build_moe_model,
+    expert_numels,
+    gather_moe_state_dict,
+    split_moe_param_groups,
+    to_mixtral_state_dict,
+)
 
 TOKENIZER_DIR = "tokenizer"  # where a run keeps the tokenizer it trained (resume and the other ranks load it)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -128,6 +138,8 @@ def model_config(cfg: NLPConfig, tokenizer: Any) -> Any:
     """The model's config: a named Llama size sized to the tokenizer, or a local folder's ``config.json``."""
     if cfg.pretrained is None:  # without a tokenizer yet (--describe, hidden_size), the vocabulary is vocab_size
         vocab_size = None if tokenizer is not None else cfg.vocab_size
+        if cfg.moe:  # a Mixtral-shaped config whose MoE blocks are DeepSpeed's (nlp/moe.py)
+            return build_moe_config(cfg.model, vocab_size=vocab_size, tokenizer=tokenizer, seq_len=cfg.seq_len)
         return build_llama_config(cfg.model, vocab_size=vocab_size, tokenizer=tokenizer, seq_len=cfg.seq_len)
     if not (cfg.pretrained / "config.json").is_file():
         raise ModelError(f"{cfg.pretrained}: no config.json; expected a Hugging Face model folder")
@@ -149,7 +161,7 @@ def model_config(cfg: NLPConfig, tokenizer: Any) -> Any:
 def hidden_size(cfg: NLPConfig) -> int:
     """The model's hidden size (the factory scales buckets to it), read before the tokenizer exists."""
     if cfg.pretrained is None:
-        return LLAMA_SIZES[cfg.model]["hidden_size"]
+        return {**LLAMA_SIZES, **MOE_SIZES}[cfg.model]["hidden_size"]
     return model_config(cfg, tokenizer=None).hidden_size
 
 
@@ -263,6 +275,50 @@ def check_pipeline_parallel(
 PIPELINE_CHECKPOINT_INTERVAL = {"none": 0, "full": 1, "every_k": 2}
 
 
+def check_expert_parallel(cfg: NLPConfig, world_size: int, config: Any, ds_config: dict[str, Any]) -> None:
+    """Refuse an ``expert_parallel`` or a MoE run the recipe cannot train, before any work (one ConfigError each).
+
+    DeepSpeed places each expert-parallel group inside the data-parallel ranks (``_ensure_divisibility(dp_world_size,
+    expert_parallel_size_)``) and gives every rank ``num_experts / expert_parallel`` experts, so the degree must
+    divide both; its native MoE layer refuses ZeRO-3 in ``deepspeed.initialize`` (quoted below).
+    """
+    ep = cfg.expert_parallel
+    if ep > 1 and not cfg.moe:
+        raise ConfigError(
+            f"expert_parallel={ep} needs a DeepSpeed-MoE model: model={' or model='.join(MOE_SIZES)}; {cfg.model!r} "
+            "is not one (a dense size, or a local folder, which trains with its own layers and no expert parallelism)"
+        )
+    if not cfg.moe:
+        return
+    experts = config.num_local_experts
+    if experts % ep:
+        divisors = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
+        raise ConfigError(f"expert_parallel={ep} does not divide the model's {experts} experts; use one of {divisors}")
+    if world_size % ep:
+        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0 and experts % d == 0)
+        raise ConfigError(
+            f"expert_parallel={ep} does not divide the {world_size} rank(s) (expert-parallel groups lie inside the "
+            f"data-parallel ranks); use one of {divisors}"
+        )
+    if cfg.tensor_parallel > 1:
+        raise ConfigError(
+            f"tensor_parallel={cfg.tensor_parallel} with the MoE model {cfg.model!r} is not supported here (AutoTP "
+            "does not split DeepSpeed's MoE experts); use tensor_parallel=1"
+        )
+    if zero_stage(ds_config) == 3:
+        raise ConfigError(
+            f"model={cfg.model} (DeepSpeed MoE) runs with ZeRO stages 1-2: DeepSpeed refuses its MoE layer under "
+            'ZeRO-3 ("Native DeepSpeed MoE is not supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage '
+            '1/2."); use preset=deepspeed_stage_1 or deepspeed_stage_2'
+        )
+
+
+def expert_parallel_rank(cfg: NLPConfig, rank: int) -> int:
+    """This rank's index in its expert-parallel group: DeepSpeed groups consecutive ranks (``ranks r * EP ..
+    r * EP + EP - 1``, ``groups._create_expert_and_data_parallel``), which :func:`check_mesh` verifies."""
+    return rank % cfg.expert_parallel
+
+
 def data_parallel(cfg: NLPConfig, rank: int, world_size: int) -> tuple[int, int]:
     """This rank's (data-parallel rank, data-parallel size): the replica whose batches it reads.
 
@@ -295,6 +351,12 @@ def resume_point(cfg: NLPConfig, world_size: int) -> ResumePoint | None:
             f"written with ({resume.saved_world_size}, now {dp_size}): a universal conversion of tensor-parallel "
             "shards is not supported here"
         )
+    if resume.universal and cfg.moe:
+        raise ConfigError(
+            f"resume of a MoE model needs the data-parallel size the checkpoint was written with "
+            f"({resume.saved_world_size}, now {dp_size}): a universal conversion of DeepSpeed's expert files is not "
+            "supported here"
+        )
     return resume
 
 
@@ -326,10 +388,17 @@ def check_replica_batch(cfg: NLPConfig, input_ids: torch.Tensor) -> None:
 def check_mesh(cfg: NLPConfig, rank: int, world_size: int) -> None:
     """After ``deepspeed.initialize``: DeepSpeed's tensor- and data-parallel groups are those :func:`data_parallel`
     assumed (else every replica would train on the wrong batches)."""
-    if cfg.tensor_parallel == 1:
-        return
     from deepspeed.utils import groups
 
+    if cfg.moe:
+        found_ep = groups._get_expert_parallel_rank(f"ep_size_{cfg.expert_parallel}")
+        if found_ep != expert_parallel_rank(cfg, rank):
+            raise RuntimeError(
+                f"rank {rank}: DeepSpeed made it expert-parallel rank {found_ep}, the experts were initialised for "
+                f"{expert_parallel_rank(cfg, rank)}"
+            )
+    if cfg.tensor_parallel == 1:
+        return
     dp_rank, dp_size = data_parallel(cfg, rank, world_size)
     found = (
         groups.get_tensor_model_parallel_rank(),
@@ -350,7 +419,7 @@ def resolve_ds_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict
     return ds_config
 
 
-def build_model(cfg: NLPConfig, config: Any, attention: str) -> Any:
+def build_model(cfg: NLPConfig, config: Any, attention: str, rank: int = 0) -> Any:
     """The causal LM, randomly initialised from ``config`` or loaded from the model folder.
 
     Under ZeRO-3 the caller keeps DeepSpeed's partitioned construction active (Lightning's ``configure_model``,
@@ -358,7 +427,9 @@ def build_model(cfg: NLPConfig, config: Any, attention: str) -> Any:
     sharded.
     """
     torch.manual_seed(cfg.seed)
-    if cfg.pretrained is None:
+    if cfg.moe:  # this rank's experts (rank: its place in the expert-parallel group)
+        model = build_moe_model(config, cfg.expert_parallel, expert_parallel_rank(cfg, rank), cfg.seed, attention)
+    elif cfg.pretrained is None:
         model = build_model_from_config(config, attn_implementation=attention)
     else:
         model = load_pretrained(
@@ -383,13 +454,20 @@ def param_sizes(model: torch.nn.Module) -> list[int]:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: matrices decay, norm weights (1-D) do not. ZeRO-3 shards are empty: read ``ds_shape``."""
+    """AdamW groups: matrices decay, norm weights (1-D) do not. ZeRO-3 shards are empty: read ``ds_shape``.
+
+    A MoE model's experts go to groups of their own (DeepSpeed's ZeRO 1/2 requires them: it reduces expert gradients
+    over the expert data-parallel ranks, not over every rank).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     ndim = [len(getattr(p, "ds_shape", p.shape)) for p in params]
-    return [
+    groups = [
         {"params": [p for p, n in zip(params, ndim) if n >= 2], "weight_decay": weight_decay},
         {"params": [p for p, n in zip(params, ndim) if n < 2], "weight_decay": 0.0},
     ]
+    if any(not getattr(p, "allreduce", True) for p in params):  # DeepSpeed marks expert parameters so
+        return split_moe_param_groups(groups)
+    return groups
 
 
 def held_param_elements(model: torch.nn.Module) -> int:
@@ -404,6 +482,16 @@ def held_param_elements(model: torch.nn.Module) -> int:
 def lr_lambda(cfg: NLPConfig) -> Any:
     """LambdaLR multiplier: warmup, then cosine to ``min_lr_ratio``."""
     return lambda step: cosine_with_warmup(step, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+
+
+def train_loss(
+    cfg: NLPConfig, model: Any, module: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(loss to back-propagate, LM loss, MoE load-balancing loss or None): the MoE layers' auxiliary loss summed
+    over layers, weighted by ``moe_aux_loss_coef`` (``module``: the transformers model the engine wraps)."""
+    loss = lm_loss(model, input_ids, labels)
+    aux = aux_loss(module) if cfg.moe else None
+    return (loss if aux is None else loss + cfg.moe_aux_loss_coef * aux), loss, aux
 
 
 def lm_loss(model: Any, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -443,6 +531,8 @@ class MemoryPlan:
     grads_during_backward_bytes: int
     tensor_parallel: int = 1
     params_per_tensor_rank: int | None = None  # under tensor parallelism: the slice one rank holds before ZeRO
+    expert_parallel: int = 1
+    expert_params_per_rank: int = 0  # this rank's experts (num_experts / EP per layer), in num_params
 
     def text(self) -> str:
         """The lines printed before training."""
@@ -455,6 +545,12 @@ class MemoryPlan:
             if tp > 1
             else ""
         )
+        if self.expert_params_per_rank:
+            split += (
+                f"\n  experts: {self.expert_params_per_rank / 1e6:.2f}M of the parameters on this rank "
+                f"(1/{self.expert_parallel} of every MoE layer's experts), their states sharded over "
+                f"{self.world_size // self.expert_parallel} expert data-parallel rank(s)"
+            )
         return (
             f"memory plan: ZeRO-{self.stage} {self.precision}, {self.world_size} rank(s), "
             f"{self.num_params / 1e6:.2f}M parameters ({self.persistent_params / 1e6:.2f}M under the "
@@ -467,23 +563,36 @@ class MemoryPlan:
 
 
 def memory_plan(
-    model: torch.nn.Module, ds_config: dict[str, Any], world_size: int, tensor_parallel: int = 1
+    model: torch.nn.Module,
+    ds_config: dict[str, Any],
+    world_size: int,
+    tensor_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> MemoryPlan:
     """The plan for ``model`` (built, not yet sharded by AutoTP) under ``ds_config`` on ``world_size`` ranks.
 
     Under tensor parallelism a rank holds the split linear layers' 1/TP and the rest whole
-    (:func:`~common.memory_formulas.tensor_replicated_numel`), and ZeRO shards that slice over world / TP ranks.
+    (:func:`~common.memory_formulas.tensor_replicated_numel`), and ZeRO shards that slice over world / TP ranks. A MoE
+    model's experts on this rank (1/``expert_parallel`` of each layer's) have their states sharded by ZeRO over the
+    expert data-parallel ranks, world / ``expert_parallel``.
     """
     sizes = param_sizes(model)
     stage, precision = zero_stage(ds_config), precision_of(ds_config)
     persistent = persistent_elements(sizes, ds_config)
-    held, shards, per_tensor_rank = sum(sizes), world_size, None
+    expert_elements = expert_numels(model)[1]
+    held, shards, per_tensor_rank = sum(sizes) - expert_elements, world_size, None
     if tensor_parallel > 1:
         replicated = tensor_replicated_numel(model)
-        held = per_tensor_rank = (sum(sizes) - replicated) // tensor_parallel + replicated
+        held = per_tensor_rank = (held - replicated) // tensor_parallel + replicated
         shards = world_size // tensor_parallel
     predicted = predicted_model_state_bytes(held, stage, shards, precision, persistent_params=persistent)
     during = predicted_model_state_bytes(held, stage, shards, precision, True, persistent)
+    if expert_elements:
+        edp = world_size // expert_parallel
+        moe = predicted_model_state_bytes(expert_elements, stage, edp, precision)
+        moe_during = predicted_model_state_bytes(expert_elements, stage, edp, precision, True)
+        predicted = {k: predicted[k] + moe[k] for k in predicted}
+        during = {k: during[k] + moe_during[k] for k in during}
     return MemoryPlan(
         num_params=sum(sizes),
         persistent_params=persistent,
@@ -494,6 +603,8 @@ def memory_plan(
         grads_during_backward_bytes=int(during["grads"]),
         tensor_parallel=tensor_parallel,
         params_per_tensor_rank=per_tensor_rank,
+        expert_parallel=expert_parallel,
+        expert_params_per_rank=expert_elements,
     )
 
 
@@ -526,6 +637,7 @@ def describe(cfg: NLPConfig, pipeline_engine: bool = False) -> RecipeDescription
     ds_config = deepspeed_config(cfg, world_size, config.hidden_size)
     check_pipeline_parallel(cfg, world_size, config, ds_config, pipeline_engine)
     check_tensor_parallel(cfg, world_size, config, ds_config)
+    check_expert_parallel(cfg, world_size, config, ds_config)
     return RecipeDescription(
         recipe="nlp",
         config=config_to_dict(cfg),
@@ -587,8 +699,10 @@ def final_export(
         ``summary.json``'s ``export_check`` and ``sample`` (the prompt and its continuation).
     """
     unset_hf_deepspeed_config()  # training is over: what follows is plain single-process transformers code
-    keys = set(model.state_dict())  # drop non-persistent buffers (rotary inv_freq): not part of a checkpoint
-    final = save_hf_model(model, {k: v for k, v in state_dict.items() if k in keys}, out_dir / "final", tokenizer)
+    if not cfg.moe:  # drop non-persistent buffers (rotary inv_freq): not part of a checkpoint
+        keys = set(model.state_dict())
+        state_dict = {k: v for k, v in state_dict.items() if k in keys}
+    final = save_hf_model(model, state_dict, out_dir / "final", tokenizer)
     reloaded = AutoModelForCausalLM.from_pretrained(
         str(final), local_files_only=True, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code
     )
@@ -654,6 +768,7 @@ class NLPSummary:
     export_check: dict[str, Any]
     sample: str
     pipeline: dict[str, Any] | None = None  # train_pipeline.py: stages, micro-batches, parameter bytes of each rank
+    moe: dict[str, Any] | None = None  # MoE runs: experts, top_k, expert_parallel, the last logged aux_loss
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -724,8 +839,12 @@ def finish(
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=fixed[:, :-1].to(device), use_cache=False).logits.float().cpu()
-    gather = gather_tensor_parallel_state_dict if cfg.tensor_parallel > 1 else gather_full_state_dict
-    state = gather(model, rank)
+    if cfg.moe:  # every expert from its expert-parallel rank, then under transformers' Mixtral names
+        state = gather_moe_state_dict(model, cfg.expert_parallel, rank)
+        state = to_mixtral_state_dict(state, config) if state is not None else None
+    else:
+        gather = gather_tensor_parallel_state_dict if cfg.tensor_parallel > 1 else gather_full_state_dict
+        state = gather(model, rank)
     peak = int(all_reduce(torch.tensor(float(peak_memory_bytes()), device=device), "max").item())
     if rank != 0:
         return None
@@ -804,4 +923,18 @@ def summarize(
         export_check=export_check,
         sample=sample,
         pipeline=pipeline,
+        moe=moe_summary(cfg, config, out_dir) if cfg.moe else None,
     )
+
+
+def moe_summary(cfg: NLPConfig, config: Any, out_dir: Path) -> dict[str, Any]:
+    """``summary.json``'s ``moe``: the routing setup and the last logged load-balancing loss."""
+    aux = [r["aux_loss"] for r in read_metrics(out_dir) if "aux_loss" in r]
+    return {
+        "num_experts": config.num_local_experts,
+        "top_k": config.num_experts_per_tok,
+        "expert_parallel": cfg.expert_parallel,
+        "aux_loss_coef": cfg.moe_aux_loss_coef,
+        "aux_loss": aux[-1] if aux else None,
+        "drop_tokens": False,
+    }

@@ -37,6 +37,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     MemoryPlan,
     NLPSummary,
     build_model,
+    check_expert_parallel,
     check_mesh,
     check_pipeline_parallel,
     check_replica_batch,
@@ -47,7 +48,6 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     evaluate,
     finish,
     held_param_elements,
-    lm_loss,
     load_data,
     lr_lambda,
     measured_text,
@@ -59,6 +59,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     tokenizer_source,
     tokens_per_rank_step,
     train_loader,
+    train_loss,
     write_run_files,
 )
 
@@ -108,6 +109,7 @@ class CausalLM(L.LightningModule):
         self.model = None  # built in configure_model, inside ZeRO-3's partitioned construction
         mark_universal(self)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
         self.losses: list[torch.Tensor] = []
+        self.aux_losses: list[torch.Tensor] = []  # MoE: the routers' load-balancing loss, logged apart
         self.log_file = MetricsLog(cfg.out_dir, enabled=is_launcher_rank_zero())
         self.plan: MemoryPlan | None = None
         self.held_at_construction = 0  # parameter elements this rank held right after construction
@@ -121,9 +123,11 @@ class CausalLM(L.LightningModule):
         # rank ever holds the whole model, and RoPE's frequencies stay fp32.
         if self.model is not None:
             return
-        self.model = build_model(self.cfg, self.model_config, self.attention)
+        self.model = build_model(self.cfg, self.model_config, self.attention, self.global_rank)  # MoE: its experts
         self.held_at_construction = held_param_elements(self.model)
-        self.plan = memory_plan(self.model, self.ds_config, self.trainer.world_size, self.cfg.tensor_parallel)
+        self.plan = memory_plan(
+            self.model, self.ds_config, self.trainer.world_size, self.cfg.tensor_parallel, self.cfg.expert_parallel
+        )
         self.print(self.plan.text())
         self.print(
             f"after construction rank 0 holds {self.held_at_construction:,} of "
@@ -143,9 +147,11 @@ class CausalLM(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         if batch_idx == 0:
             check_replica_batch(self.cfg, batch["input_ids"])
-        loss = lm_loss(self.model, batch["input_ids"], batch["labels"])
+        total, loss, aux = train_loss(self.cfg, self.model, self.model, batch["input_ids"], batch["labels"])
         self.losses.append(loss.detach())  # a tensor: reading it (.item(), the progress bar) would wait for the device
-        return loss
+        if aux is not None:
+            self.aux_losses.append(aux.detach())
+        return total
 
     def on_train_start(self) -> None:
         cfg, strategy = self.cfg, self.trainer.strategy
@@ -165,7 +171,9 @@ class CausalLM(L.LightningModule):
         cfg, step = self.cfg, self.trainer.global_step
         self.clock.step_done()
         step_loss = torch.stack(self.losses).mean()
+        step_aux = torch.stack(self.aux_losses).mean() if self.aux_losses else None
         self.losses.clear()
+        self.aux_losses.clear()
         if step == self.start_step + 1:
             self.model_states = model_state_bytes(self.trainer.strategy.model)
             self.print(measured_text(self.model_states))
@@ -174,9 +182,11 @@ class CausalLM(L.LightningModule):
             loss = all_reduce(step_loss).item() / self.trainer.world_size
             self.log("loss", loss, prog_bar=True, logger=False)
             tokens_per_s = tokens_per_rank_step(cfg) / self.clock.median_step()
+            moe = {} if step_aux is None else {"aux_loss": all_reduce(step_aux).item() / self.trainer.world_size}
             self.log_file.log(
                 step,
                 train_loss=loss,
+                **moe,
                 lr=cfg.lr * lr_lambda(cfg)(step - 1),
                 tokens_per_s_per_device=tokens_per_s,
                 elapsed_s=self.clock.wall(),
@@ -243,6 +253,7 @@ def main() -> None:
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
     check_pipeline_parallel(cfg, world_size, config, ds_config, pipeline_engine=False)
     check_tensor_parallel(cfg, world_size, config, ds_config)
+    check_expert_parallel(cfg, world_size, config, ds_config)
     attention = resolve_attention(cfg.attention, "cuda" if on_gpu else "cpu", torch_dtype(cfg.precision))
     if rank0:
         prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)

@@ -30,6 +30,7 @@ from accelerate import Accelerator
 from nlp_config import DEFAULT_CONFIG, NLPConfig  # next to this script
 from pretraining import (  # next to this script: data, model, loss, evaluation, run files, summary
     build_model,
+    check_expert_parallel,
     check_mesh,
     check_pipeline_parallel,
     check_tensor_parallel,
@@ -40,7 +41,6 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     finish,
     held_param_elements,
     hidden_size,
-    lm_loss,
     load_data,
     lr_lambda,
     measured_text,
@@ -52,6 +52,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     tokenizer_source,
     tokens_per_rank_step,
     train_loader,
+    train_loss,
     write_run_files,
 )
 from tqdm.auto import tqdm
@@ -88,6 +89,7 @@ def main() -> None:
     ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
     check_pipeline_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config, pipeline_engine=False)
     check_tensor_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
+    check_expert_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
     # A different model or config, no complete checkpoint: refused; another data-parallel size: a universal checkpoint.
     resume = resume_point(cfg, world_size)
     start_step = resume.step if resume else 0
@@ -112,10 +114,10 @@ def main() -> None:
     # --- model: built inside zero.Init (the plugin's zero3_init_flag), so no rank holds it whole ---
     config = model_config(cfg, data.tokenizer)
     attention = resolve_attention(cfg.attention, device.type, torch_dtype(cfg.precision))
-    model = build_model(cfg, config, attention)
+    model = build_model(cfg, config, attention, rank)  # MoE: this rank's experts
     mark_universal(model)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
     held = held_param_elements(model)
-    plan = memory_plan(model, ds_config, world_size, cfg.tensor_parallel)
+    plan = memory_plan(model, ds_config, world_size, cfg.tensor_parallel, cfg.expert_parallel)
     if main_process:
         print(plan.text())
         print(f"after construction rank 0 holds {held:,} of {plan.num_params:,} parameter elements", flush=True)
@@ -125,7 +127,7 @@ def main() -> None:
     # A plain LambdaLR stepped once per optimizer step (a prepared scheduler would step once per process).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, optimizer = accelerator.prepare(model, optimizer)
-    check_mesh(cfg, rank, world_size)  # tensor parallel: the groups data_parallel() assumed
+    check_mesh(cfg, rank, world_size)  # tensor/expert parallel: the groups data_parallel() and build_model assumed
     accelerator.register_for_checkpointing(scheduler)
     checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
     checkpointer.install(engine)  # async_save: DeepSpeed's files go through it
@@ -157,22 +159,29 @@ def main() -> None:
     if start_step == 0:
         val_loss = run_eval(0)
     engine.train()
-    step, losses = start_step, []
+    step, losses, aux_losses = start_step, [], []
     clock.skip()
     for batch in loader:
         with accelerator.accumulate(engine):
-            loss = lm_loss(engine, batch["input_ids"].to(device), batch["labels"].to(device))
-            accelerator.backward(loss)  # DeepSpeed's backward, and its optimizer step at the accumulation boundary
+            # MoE: the routers' load-balancing loss is added to the LM loss (and logged apart).
+            total, loss, aux = train_loss(
+                cfg, engine, engine.module, batch["input_ids"].to(device), batch["labels"].to(device)
+            )
+            accelerator.backward(total)  # DeepSpeed's backward, and its optimizer step at the accumulation boundary
             optimizer.step()
             optimizer.zero_grad()
         losses.append(loss.detach())
+        if aux is not None:
+            aux_losses.append(aux.detach())
         if len(losses) < cfg.grad_accum:
             continue
         scheduler.step()
         step += 1
         clock.step_done()
         step_loss = torch.stack(losses).mean()  # a tensor: reading it would wait for the device
+        step_aux = torch.stack(aux_losses).mean() if aux_losses else None
         losses.clear()
+        aux_losses.clear()
         bar.update(1)
         if step == start_step + 1:
             model_states = model_state_bytes(engine)
@@ -182,9 +191,11 @@ def main() -> None:
             # tensor-parallel group hold their replica's loss, each counted once per rank: the mean over replicas.
             mean_loss = all_reduce(step_loss).item() / world_size
             bar.set_postfix(loss=f"{mean_loss:.3f}")
+            moe = {} if step_aux is None else {"aux_loss": all_reduce(step_aux).item() / world_size}
             log.log(
                 step,
                 train_loss=mean_loss,
+                **moe,
                 lr=cfg.lr * lr_lambda(cfg)(step - 1),
                 tokens_per_s_per_device=tokens_per_step / clock.median_step(),
                 elapsed_s=clock.wall(),
