@@ -537,6 +537,37 @@ def arm_hang_detection(timeout: timedelta | None, run_dir: str | Path | None) ->
     enable_hang_detection(timeout, run_dir)
 
 
+def keep_zero_init_dtype() -> None:
+    """Make ``deepspeed.zero.Init`` keep a dtype it is given (DeepSpeed 0.19.8, CPUs without fp16 kernels).
+
+    ``Init._set_dtype`` computes ``dtype or torch.float16 if accelerator.is_fp16_supported() else torch.bfloat16 if
+    ...``: by operator precedence an explicit ``dtype`` counts only where fp16 is supported. On a CPU without fp16
+    (this AMD EPYC; the Intel Sapphire Rapids machines before it have it) every explicit fp32 request became bf16,
+    the stage-3 engine's own included: fp32 ZeRO-3 with NVMe offload swapped bf16 weights and failed on its first
+    forward ("self and mat2 must have the same dtype, but got Float and BFloat16"). The replacement gives ``dtype``
+    precedence and leaves DeepSpeed's choice otherwise. Both adapters call it; calling it again changes nothing.
+    """
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time log must not reach a JSON stdout
+        from deepspeed.runtime.zero.partition_parameters import Init
+
+    if getattr(Init._set_dtype, "keeps_given_dtype", False):
+        return
+    deepspeeds = Init._set_dtype
+
+    def _set_dtype(self: Any, ds_config: Any, dtype: Any) -> None:
+        if dtype is not None:
+            self.dtype = dtype
+        else:
+            deepspeeds(self, ds_config, dtype)
+
+    _set_dtype.keeps_given_dtype = True
+    _set_dtype.deepspeeds = deepspeeds  # for the test that checks the upstream bug is still there
+    Init._set_dtype = _set_dtype
+
+
 # --- Lightning adapter --------------------------------------------------------------------------------
 
 LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
@@ -571,6 +602,7 @@ def lightning_trainer_kwargs(
     from common.lightning_cpu import ZeroDeepSpeedStrategy
 
     arm_hang_detection(timeout, run_dir)
+    keep_zero_init_dtype()
     kwargs: dict[str, Any] = {"config": lightning_strategy_config(ds_config)}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -617,6 +649,7 @@ def accelerator_kwargs(
     from accelerate.utils import InitProcessGroupKwargs
 
     arm_hang_detection(timeout, run_dir)
+    keep_zero_init_dtype()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     pg_kwargs = {"backend": backend}
     if timeout is not None:

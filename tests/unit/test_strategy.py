@@ -302,3 +302,31 @@ def test_libaio_missing_is_refused(tmp_path, monkeypatch):
 def test_storage_checks_can_be_left_to_the_target_machine():
     ds = resolve_deepspeed_config(NVME, RunFacts(nvme_path="/no/such/drive", check_storage=False))
     assert ds["zero_optimization"]["offload_param"]["nvme_path"] == "/no/such/drive"
+
+
+def test_zero_init_keeps_a_given_dtype_on_a_cpu_without_fp16(monkeypatch):
+    """DeepSpeed 0.19.8's ``Init._set_dtype`` turns an explicit fp32 into bf16 where fp16 is unsupported (operator
+    precedence): fp32 ZeRO-3 with NVMe offload failed on this AMD CPU. Both adapters call keep_zero_init_dtype."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)
+    deepspeeds = getattr(Init._set_dtype, "deepspeeds", Init._set_dtype)
+    monkeypatch.setattr(Init, "_set_dtype", deepspeeds)  # DeepSpeed's own; the test's patch is undone afterwards
+
+    class Holder:
+        dtype = None
+
+    def chosen(given):
+        holder = Holder()
+        Init._set_dtype(holder, None, given)
+        return holder.dtype
+
+    # The upstream bug, still present: when this fails, DeepSpeed fixed it and keep_zero_init_dtype can go.
+    assert chosen(torch.float32) == torch.bfloat16
+    strategy.keep_zero_init_dtype()
+    assert chosen(torch.float32) == torch.float32 and chosen(torch.bfloat16) == torch.bfloat16
+    assert chosen(None) == torch.bfloat16  # no dtype given: DeepSpeed's own choice, unchanged
+    strategy.keep_zero_init_dtype()  # a second call wraps nothing twice
+    assert Init._set_dtype.deepspeeds is deepspeeds
