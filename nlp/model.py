@@ -74,6 +74,12 @@ class ModelError(ValueError):
     """A model folder or size that cannot be used; the message says which and why."""
 
 
+def special_token_ids(tokenizer: Any) -> dict[str, int | None]:
+    """A model config's bos, eos and pad token ids from the tokenizer (pad falls back to eos: the BPE has none)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad}
+
+
 def build_llama_config(
     size: str = "tiny",
     vocab_size: int | None = None,
@@ -105,11 +111,7 @@ def build_llama_config(
         if vocab_size is not None and vocab_size < len(tokenizer):
             raise ModelError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
         kwargs["vocab_size"] = vocab_size if vocab_size is not None else len(tokenizer)
-        kwargs["bos_token_id"] = tokenizer.bos_token_id
-        kwargs["eos_token_id"] = tokenizer.eos_token_id
-        kwargs["pad_token_id"] = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        )
+        kwargs.update(special_token_ids(tokenizer))
     elif vocab_size is not None:
         kwargs["vocab_size"] = vocab_size
     if seq_len is not None:

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from transformers import MixtralConfig
 
+from nlp.model import special_token_ids
+
 # Named MoE sizes as MixtralConfig keyword arguments (a run's tokenizer overrides vocab_size).
 MOE_SIZES: dict[str, dict[str, Any]] = {
     # About 2.2M parameters with vocab 4096 (4 experts of 0.1M per layer): equivalence tests on a CPU.
@@ -56,11 +58,7 @@ def build_moe_config(size: str, vocab_size: int | None = None, tokenizer: Any = 
     kwargs = dict(MOE_SIZES[size])
     if tokenizer is not None:
         kwargs["vocab_size"] = len(tokenizer)
-        kwargs["bos_token_id"] = tokenizer.bos_token_id
-        kwargs["eos_token_id"] = tokenizer.eos_token_id
-        kwargs["pad_token_id"] = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        )
+        kwargs.update(special_token_ids(tokenizer))
     elif vocab_size is not None:
         kwargs["vocab_size"] = vocab_size
     if seq_len is not None:
