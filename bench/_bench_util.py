@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import importlib.metadata
 import json
 import os
@@ -12,8 +14,12 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 from common.metrics import median  # noqa: F401  (re-exported for the benches)
 from common.strategy import RunFacts, resolve_deepspeed_config, write_accelerate_files
@@ -220,3 +226,49 @@ def save_and_publish(
     if not args.no_doc:
         publish_sections(render_sections(document), document["provenance"], docs)
     return document
+
+
+# --- a whole command, timed: wall and the CPU time of every process it starts ------------------------
+
+
+CPU_POLL_S = 0.2
+
+
+def run_and_count_cpu(command: list[str]) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run ``command``; (the finished process, wall seconds, CPU seconds of it and every process it started).
+
+    The CPU time is sampled from the live process tree every ``CPU_POLL_S`` (the last sample of each process
+    counts): ``RUSAGE_CHILDREN`` would miss ranks that their parent never waits for, such as the second rank
+    Lightning starts itself. A process's last ``CPU_POLL_S`` may be missed.
+    """
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        popen = subprocess.Popen(command, cwd=REPO, env=bench_env(), stdout=out, stderr=err, text=True)
+        root, cpu_by_pid = psutil.Process(popen.pid), {}
+        while popen.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for process in [root, *root.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        times = process.cpu_times()
+                        cpu_by_pid[process.pid] = times.user + times.system
+            time.sleep(CPU_POLL_S)
+        wall = time.perf_counter() - start
+        out.seek(0)
+        err.seek(0)
+        finished = subprocess.CompletedProcess(command, popen.returncode, out.read(), err.read())
+    return finished, wall, sum(cpu_by_pid.values())
+
+
+@contextlib.contextmanager
+def holding(lock: Path | None):
+    """An exclusive ``flock`` on ``lock`` for the duration (none when None): other heavy work on the machine waits
+    between the runs, not during one."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

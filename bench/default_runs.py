@@ -22,25 +22,20 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._bench_util import (  # noqa: E402
     REPO,
     add_results_options,
-    bench_env,
+    holding,
     render_from_file,
+    run_and_count_cpu,
     save_and_publish,
     table_head,
 )
@@ -119,49 +114,6 @@ CV_KEYS = (
 )
 TP_RATIO_BAR = 0.05  # issue 18: the default quality bar holds under tensor_parallel=2 within this
 DEFAULT_RATIO_BAR = 0.6  # docs/nlp.md: the default run's final / step-0 validation loss ratio stays under this
-
-
-CPU_POLL_S = 0.2
-
-
-def run_and_count_cpu(command: list[str]) -> tuple[subprocess.CompletedProcess, float, float]:
-    """Run ``command``; (the finished process, wall seconds, CPU seconds of it and every process it started).
-
-    The CPU time is sampled from the live process tree every ``CPU_POLL_S`` (the last sample of each process
-    counts): ``RUSAGE_CHILDREN`` would miss ranks that their parent never waits for, such as the second rank
-    Lightning starts itself. A process's last ``CPU_POLL_S`` may be missed.
-    """
-    start = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        popen = subprocess.Popen(command, cwd=REPO, env=bench_env(), stdout=out, stderr=err, text=True)
-        root, cpu_by_pid = psutil.Process(popen.pid), {}
-        while popen.poll() is None:
-            with contextlib.suppress(psutil.Error):
-                for process in [root, *root.children(recursive=True)]:
-                    with contextlib.suppress(psutil.Error):
-                        times = process.cpu_times()
-                        cpu_by_pid[process.pid] = times.user + times.system
-            time.sleep(CPU_POLL_S)
-        wall = time.perf_counter() - start
-        out.seek(0)
-        err.seek(0)
-        finished = subprocess.CompletedProcess(command, popen.returncode, out.read(), err.read())
-    return finished, wall, sum(cpu_by_pid.values())
-
-
-@contextlib.contextmanager
-def holding(lock: Path | None):
-    """An exclusive ``flock`` on ``lock`` for the duration (none when None): other heavy work on the machine waits
-    between the runs, not during one."""
-    if lock is None:
-        yield
-        return
-    with open(lock, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def run_one(command: list[str], args: list[str], out_dir: Path, lock: Path | None, keys: tuple = NLP_KEYS) -> dict:

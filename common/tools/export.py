@@ -49,7 +49,7 @@ EXPORT_DTYPES = ("fp32", "bf16")  # what a consolidated model is written in (com
 INDEX_NAME = "model.safetensors.index.json"
 WEIGHT_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
 _TP_SLICE = re.compile(r"mp_rank_(\d+)_(?:model|optim)_states\.pt$")
-_OPTIM_FILE = re.compile(r"^(?:\w+_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_OPTIM_FILE = re.compile(r"^(?:\w+_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
@@ -124,6 +124,10 @@ class TensorSource:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pieces[0].flat.dtype
+
     def read(self) -> torch.Tensor:
         """The tensor, read from disk in its saved dtype: one allocation, each piece read into its place."""
         whole = torch.empty(sum(p.length for p in self.pieces), dtype=self.pieces[0].flat.dtype)
@@ -132,6 +136,30 @@ class TensorSource:
             read_into(piece.file, piece.flat, piece.start, whole[position : position + piece.length])
             position += piece.length
         return whole[: self.numel].view(self.shape)
+
+
+@dataclass(frozen=True)
+class JoinedSource:
+    """A tensor that tensor parallelism split: its slices, one per ``mp_rank``, joined along ``dim`` when read.
+
+    A slice split along dim 0 would be contiguous pieces, but AutoTP's row-parallel layers are split along dim 1:
+    reading joins whole slices, so the peak holds the tensor twice (once in slices), never the model.
+    """
+
+    shape: torch.Size
+    parts: tuple[TensorSource, ...]
+    dim: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    def read(self) -> torch.Tensor:
+        return torch.cat([part.read() for part in self.parts], dim=self.dim)
 
 
 # --- where the elements of each parameter lie (pure functions of the saved shapes) ----------------
@@ -197,9 +225,10 @@ class ZeroCheckpoint:
     stage: int
     world_size: int
     ds_version: str
-    tensors: dict[str, TensorSource] = field(default_factory=dict)  # parameters, frozen parameters, buffers
+    tensors: dict[str, TensorSource | JoinedSource] = field(default_factory=dict)  # params, frozen params, buffers
     aliases: dict[str, str] = field(default_factory=dict)  # shared (tied) parameter -> the one saved
     params: list[str] = field(default_factory=list)  # trainable and frozen parameter names (no buffers)
+    tensor_parallel: int = 1  # mp_rank slices joined (AutoTP), 1 for an unsplit model
 
 
 def locate(path: str | Path) -> tuple[Path, Path | None]:
@@ -252,21 +281,23 @@ def _check_version(saved: str | None, file: Path) -> str:
     return str(saved)
 
 
-def _optimizer_files(tag_dir: Path, world_size: int) -> list[Path]:
-    """The ``*_optim_states.pt`` file of every rank, in rank order; a missing rank is named."""
-    found = {int(m.group(1)): p for p in tag_dir.iterdir() if (m := _OPTIM_FILE.match(p.name))}
+def _optimizer_files(tag_dir: Path, world_size: int, mp_rank: int = 0) -> list[Path]:
+    """The ``*_optim_states.pt`` file of every data-parallel rank of one ``mp_rank`` slice, in rank order; a
+    missing rank is named."""
+    found = {
+        int(m.group(1)): p for p in tag_dir.iterdir() if (m := _OPTIM_FILE.match(p.name)) and int(m.group(2)) == mp_rank
+    }
     if not found:
-        raise ConfigError(f"missing checkpoint shards: {tag_dir} has no *_optim_states.pt file")
+        raise ConfigError(f"missing checkpoint shards: {tag_dir} has no *mp_rank_{mp_rank:02d}_optim_states.pt file")
     prefix = next(iter(found.values())).name.split("zero_pp_rank_")[0]
     for rank in range(world_size):
         if rank not in found:
-            raise ConfigError(
-                f"missing checkpoint shard: {tag_dir / f'{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt'}"
-            )
+            name = f"{prefix}zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+            raise ConfigError(f"missing checkpoint shard: {tag_dir / name}")
     return [found[rank] for rank in range(world_size)]
 
 
-def open_checkpoint(path: str | Path) -> ZeroCheckpoint:
+def open_checkpoint(path: str | Path, trust_remote_code: bool = False) -> ZeroCheckpoint:
     """Resolve ``path``, read the structure of every shard, and place every tensor (no tensor data is read)."""
     tag_dir, run_dir = locate(path)
     if any(tag_dir.glob("layer_*-model_states.pt")):
@@ -277,13 +308,6 @@ def open_checkpoint(path: str | Path) -> ZeroCheckpoint:
             "ZeRO checkpoints of a whole model only; use the run's final/ folder (train_pipeline.py gathers the "
             "stages into it at the end)"
         )
-    slices = {match.group(1) for f in tag_dir.glob("*.pt") if (match := _TP_SLICE.search(f.name))}
-    if len(slices) > 1:
-        # AutoTP (the NLP recipe's tensor_parallel=N): each mp_rank_XX file holds a slice of every split matrix.
-        raise ConfigError(
-            f"{tag_dir} was written with tensor parallelism ({len(slices)} mp_rank slices): export reads "
-            "unsplit ZeRO checkpoints only; use the run's final/ folder (the recipe gathers the slices at the end)"
-        )
     experts = list(tag_dir.glob("layer_*_expert_*_model_states.pt"))
     if experts:
         # DeepSpeed MoE (the NLP recipe's MoE models) saves each expert in a file of its own, outside the ZeRO shards.
@@ -292,7 +316,56 @@ def open_checkpoint(path: str | Path) -> ZeroCheckpoint:
             "ZeRO checkpoints only; use the run's final/ folder (the recipe gathers the experts into a Hugging Face "
             "Mixtral model at the end)"
         )
-    model_file = sorted(tag_dir.glob("*_model_states.pt"))[0]  # rank 0's under ZeRO-3, the only one under 1/2
+    slices = sorted({int(match.group(1)) for f in tag_dir.glob("*.pt") if (match := _TP_SLICE.search(f.name))})
+    if len(slices) <= 1:
+        return _open_slice(tag_dir, run_dir, 0)
+    # AutoTP (the NLP recipe's tensor_parallel=N): each mp_rank_XX slice is a ZeRO checkpoint of a model whose split
+    # matrices hold 1/N of their rows (column-parallel) or columns (row-parallel); the rest is replicated.
+    if slices != list(range(len(slices))):
+        raise ConfigError(f"missing checkpoint shards: {tag_dir} has tensor-parallel slices {slices}, not 0..N-1")
+    hf = find_hf_model(run_dir, trust_remote_code)
+    if hf is None:
+        raise ConfigError(
+            f"{tag_dir} was written with tensor parallelism ({len(slices)} mp_rank slices): joining the slices needs "
+            "the model's whole shapes, from the run directory's final/config.json, which is missing; export the "
+            "checkpoint from inside its run directory, after a run that reached the end"
+        )
+    parts = [_open_slice(tag_dir, run_dir, mp) for mp in slices]
+    ckpt = parts[0]
+    ckpt.tensor_parallel = len(parts)
+    prefix = strip_prefix(ckpt.params, set(hf.shapes))
+    for name in list(ckpt.tensors):
+        whole = hf.shapes.get(name[len(prefix) :]) if name.startswith(prefix) else None
+        ckpt.tensors[name] = join_slices(name, [part.tensors[name] for part in parts], whole)
+    return ckpt
+
+
+def join_slices(name: str, slices: list[TensorSource], whole: torch.Size | None) -> TensorSource | JoinedSource:
+    """One tensor from its tensor-parallel slices: a replicated one is slice 0; a split one is joined along the
+    one dimension in which the slices' sizes add up to the whole shape's (the model's own, from ``final/``)."""
+    shapes = [s.shape for s in slices]
+    if whole is None or all(shape == whole for shape in shapes):
+        return slices[0]  # replicated (embeddings, norms), or a buffer the model does not save
+    split = [d for d in range(len(whole)) if any(shape[d] != whole[d] for shape in shapes)]
+    if (
+        len(split) == 1
+        and all(len(shape) == len(whole) for shape in shapes)
+        and sum(shape[split[0]] for shape in shapes) == whole[split[0]]
+    ):
+        return JoinedSource(whole, tuple(slices), split[0])
+    raise ConfigError(
+        f"{name}: the tensor-parallel slices have shapes {[tuple(s) for s in shapes]}, which do not join into the "
+        f"model's {tuple(whole)}: was the checkpoint written by this run?"
+    )
+
+
+def _open_slice(tag_dir: Path, run_dir: Path | None, mp_rank: int) -> ZeroCheckpoint:
+    """The ZeRO checkpoint of one ``mp_rank`` slice (the whole model when there is no tensor parallelism)."""
+    mp = f"mp_rank_{mp_rank:02d}"
+    model_files = sorted(tag_dir.glob(f"*{mp}_model_states.pt"))
+    if not model_files:
+        raise ConfigError(f"missing checkpoint shard: {tag_dir} has no *{mp}_model_states.pt file")
+    model_file = model_files[0]  # rank 0's under ZeRO-3, the only one under 1/2
     first = load_structure(model_file)
     if "param_shapes" not in first or "buffer_names" not in first:
         raise ConfigError(f"{model_file} is not a ZeRO model-states file (no param_shapes / buffer_names)")
@@ -300,13 +373,13 @@ def open_checkpoint(path: str | Path) -> ZeroCheckpoint:
     world_size = int(first.get("dp_world_size") or 0)
     if world_size < 1:
         raise ConfigError(f"{model_file} does not say how many data-parallel ranks wrote it (dp_world_size)")
-    optim_files = _optimizer_files(tag_dir, world_size)
+    optim_files = _optimizer_files(tag_dir, world_size, mp_rank)
     optim = [load_structure(f)["optimizer_state_dict"] for f in optim_files]
     stage = int(optim[0]["zero_stage"])
     ckpt = ZeroCheckpoint(tag_dir, run_dir, stage, world_size, version)
     if stage == 3:
         ckpt.tensors = _zero3_sources(first["param_shapes"], optim_files, [o["fp32_flat_groups"] for o in optim])
-        ranks = [tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)]
+        ranks = [tag_dir / f"zero_pp_rank_{r}_{mp}_model_states.pt" for r in range(world_size)]
         fragments = [load_structure(f).get("frozen_param_fragments") or {} for f in ranks]
     elif stage in (1, 2):
         flats = [o["single_partition_of_fp32_groups"] for o in optim]
@@ -391,6 +464,7 @@ class HFModel:
     folder: Path
     state_keys: list[str]  # the model's own state_dict keys, persistent buffers included
     tied: dict[str, str]  # name -> the parameter it shares storage with (``tie_word_embeddings``)
+    shapes: dict[str, torch.Size] = field(default_factory=dict)  # state_dict key -> whole shape
 
 
 def model_class(folder: Path, trust_remote_code: bool = False) -> tuple[Any, Any] | None:
@@ -434,7 +508,8 @@ def find_hf_model(run_dir: Path | None, trust_remote_code: bool = False) -> HFMo
             tied[name] = seen[id(param)]
         else:
             seen[id(param)] = name
-    return HFModel(folder, list(model.state_dict()), tied)
+    state = model.state_dict()
+    return HFModel(folder, list(state), tied, {name: tensor.shape for name, tensor in state.items()})
 
 
 def strip_prefix(names: list[str], wanted: set[str]) -> str:
@@ -557,14 +632,14 @@ def export_checkpoint(
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
     max_bytes = parse_size(max_shard_size)
     check_out_dir(out_dir, overwrite)
-    ckpt = open_checkpoint(source)
+    ckpt = open_checkpoint(source, trust_remote_code)
     hf = find_hf_model(ckpt.run_dir, trust_remote_code)
     names = output_names(ckpt, hf)
     out_dtype = torch_dtype(dtype)
 
     def out_bytes(name: str) -> int:
-        flat = ckpt.tensors[names[name]].pieces[0].flat
-        return ckpt.tensors[names[name]].numel * (out_dtype if flat.is_floating_point() else flat.dtype).itemsize
+        source = ckpt.tensors[names[name]]
+        return source.numel * (out_dtype if source.dtype.is_floating_point else source.dtype).itemsize
 
     sizes = {name: out_bytes(name) for name in names}
     shards = plan_shards(sizes, max_bytes)
@@ -601,6 +676,7 @@ def export_checkpoint(
         "checkpoint": str(ckpt.tag_dir),
         "zero_stage": ckpt.stage,
         "world_size": ckpt.world_size,
+        "tensor_parallel": ckpt.tensor_parallel,
         "ds_version": ckpt.ds_version,
         "tensors": len(names),
         "shards": len(shards),
@@ -695,6 +771,12 @@ def verify_export(source: str | Path, out_dir: str | Path, progress: bool = True
 
     out_dir = Path(out_dir)
     ckpt = open_checkpoint(source)  # refuses a damaged or unsafe checkpoint before DeepSpeed's reader opens it
+    if ckpt.tensor_parallel > 1:
+        raise ConfigError(
+            f"--verify compares with DeepSpeed's zero_to_fp32, which reads unsplit checkpoints, not the "
+            f"{ckpt.tensor_parallel} tensor-parallel slices of {ckpt.tag_dir}; compare the export with the run's "
+            "final/ instead (the recipe gathers the slices there with DeepSpeed's own gather)"
+        )
     weight_map = json.loads((out_dir / INDEX_NAME).read_text())["weight_map"]
     reference = deepspeed_reference(ckpt.tag_dir)
     prefix = reference_prefix(sorted(weight_map), set(reference))

@@ -179,12 +179,15 @@ def launch(out_dir: Path, ep: int, *extra: str) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """2-process Accelerate runs on the same batches, shared by the slow tests: EP 2 (STEPS steps, then resumed to
-    STEPS + 2) and EP 1 (STEPS + 2 steps)."""
+    """2-process runs on the same batches, shared by the slow tests: Accelerate EP 2 (STEPS steps, then resumed to
+    STEPS + 2), Accelerate EP 1 (STEPS + 2 steps) and Lightning EP 2 (STEPS steps)."""
     root = tmp_path_factory.mktemp("moe")
     launch(root / "ep2", 2)
     launch(root / "ep2", 2, "resume=true", f"max_steps={STEPS + 2}")
-    return {2: root / "ep2", 1: launch(root / "ep1", 1, f"max_steps={STEPS + 2}")}
+    # Lightning, EP 2 on 2 processes, STEPS steps: the same batches as the Accelerate runs.
+    lightning = root / "lightning_ep2"
+    run([PYTHON, RECIPE / "train.py", f"out_dir={lightning}", "expert_parallel=2", "devices=2", *RUN], timeout=600)
+    return {2: root / "ep2", 1: launch(root / "ep1", 1, f"max_steps={STEPS + 2}"), "lightning": lightning}
 
 
 def metric(out_dir: Path, key: str) -> dict[int, float]:
@@ -199,6 +202,12 @@ def test_expert_parallel_2_trains_and_resumes_like_data_parallel(runs):
         for step in ep1:
             assert math.isfinite(ep2[step]), (key, ep2)
             assert math.isclose(ep2[step], ep1[step], rel_tol=1e-5), (key, step, ep2, ep1)
+    for key in ("train_loss", "aux_loss"):  # Lightning's EP 2 run: the same losses as Accelerate's EP 1
+        lightning, ep1 = metric(runs["lightning"], key), metric(runs[1], key)
+        assert sorted(lightning) == list(range(1, STEPS + 1)), (key, lightning)
+        for step in lightning:
+            assert math.isclose(lightning[step], ep1[step], rel_tol=1e-5), (key, step, lightning, ep1)
+    assert read_json(runs["lightning"] / "summary.json")["moe"]["expert_parallel"] == 2
     losses = metric(runs[2], "train_loss")
     assert losses[STEPS + 2] < losses[1]  # it trained
     summary, reference = read_json(runs[2] / "summary.json"), read_json(runs[1] / "summary.json")

@@ -1,4 +1,4 @@
-"""``tensor_parallel=N`` in the NLP recipe (both entry points): DeepSpeed AutoTP with ZeRO 1, through the recipe.
+"""``tensor_parallel=N`` in the NLP recipe (both entry points): DeepSpeed AutoTP with ZeRO 1 and 2, through the recipe.
 
 The equivalence runs compare tensor parallel 2 on 2 processes (one data-parallel replica) with one process (one
 replica, no tensor parallelism): the same micro-batches, the same global batch, so fp32 losses agree to rounding.
@@ -11,14 +11,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from _util import PYTHON, REPO, accelerate_launch, read_json, run
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from common.config import config_to_dict, load_config
 from common.errors import ConfigError
 from common.memory_formulas import ParallelLayout, facts_from_hf_config, rank_params
 from common.resume import find_resume_point
 from common.rundir import read_metrics
-from common.tools.export import open_checkpoint
+from common.tools.export import export_checkpoint, load_structure
 
 RECIPE = REPO / "recipes" / "nlp"
 TRAIN = RECIPE / "train.py"
@@ -70,6 +73,26 @@ def test_a_bad_tensor_parallel_is_one_clear_error(args, message):
 # --- slow: TP 2 trains like one process, exports one model, and refuses another TP degree on resume ---------
 
 
+def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def joined_shape(checkpoint: Path, name: str) -> torch.Size:
+    """The shape rank 0's slice (mp_rank_00) saved for a parameter of the Hugging Face model."""
+    states = next(checkpoint.glob("*/mp_rank_00_model_states.pt"))
+    shapes = {k: v for group in load_structure(states)["param_shapes"] for k, v in group.items()}
+    return next(shape for key, shape in shapes.items() if key.endswith(name))
+
+
+def logits(folder: Path) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
+    with torch.no_grad():
+        return model(torch.arange(16).reshape(2, 8)).logits
+
+
 def train_losses(out_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train_loss"] for r in read_metrics(out_dir) if "train_loss" in r}
 
@@ -85,9 +108,11 @@ def test_tensor_parallel_2_trains_and_resumes_like_one_process(tmp_path):
     launch(runs[2], 2, 2)  # STEPS steps, then resumed from its step-STEPS checkpoint for 2 more
     launch(runs[2], 2, 2, "resume=true", f"max_steps={STEPS + 2}")
     launch(runs[1], 1, 1, f"max_steps={STEPS + 2}")  # the reference: one process, uninterrupted
-    # Lightning, TP 2 on 2 processes: the same batches as the Accelerate runs (StepSampler over replicas).
+    # Lightning, TP 2 on 2 processes, under ZeRO-2: the same batches as the Accelerate runs (StepSampler over
+    # replicas); with one replica ZeRO-2 partitions nothing more than ZeRO-1, so the TP 1 run is its reference too.
     lightning = tmp_path / "lightning_tp2"
-    run([PYTHON, TRAIN, f"out_dir={lightning}", "tensor_parallel=2", "devices=2", *RUN], timeout=600)
+    lightning_run = [f"out_dir={lightning}", "tensor_parallel=2", "devices=2", *RUN, "preset=deepspeed_stage_2"]
+    run([PYTHON, TRAIN, *lightning_run], timeout=600)
     tp2, tp1, lightning_tp2 = train_losses(runs[2]), train_losses(runs[1]), train_losses(lightning)
     assert sorted(tp2) == sorted(tp1) == list(range(1, STEPS + 3))
     assert sorted(lightning_tp2) == list(range(1, STEPS + 1))
@@ -100,6 +125,7 @@ def test_tensor_parallel_2_trains_and_resumes_like_one_process(tmp_path):
     summary, reference = read_json(runs[2] / "summary.json"), read_json(runs[1] / "summary.json")
     assert math.isclose(summary["val_loss"], reference["val_loss"], rel_tol=1e-5)
     assert read_json(runs[2] / "ds_config.json")["tensor_parallel"] == {"autotp_size": 2}
+    assert read_json(lightning / "ds_config.json")["zero_optimization"]["stage"] == 2
     # The export gathers the tensor-parallel shards into one Hugging Face model; final_export reloads it with
     # transformers and compares its logits on a fixed batch with the trained (sharded) model's.
     check = summary["export_check"]
@@ -114,9 +140,18 @@ def test_tensor_parallel_2_trains_and_resumes_like_one_process(tmp_path):
     # Each rank saved its tensor-parallel slice of the model (DeepSpeed's mp_rank_00/01 files).
     checkpoint = runs[2] / "checkpoints" / f"step_{STEPS + 2:06d}"
     assert len(list(checkpoint.glob("*/mp_rank_0[01]_model_states.pt"))) == 2
-    # zero-recipes export reads unsplit ZeRO files: on these it would write rank 0's slice as the model, so it refuses.
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        open_checkpoint(checkpoint)
+    # zero-recipes export joins the slices into one Hugging Face model. The reference is final/, which the recipe
+    # gathered from the live sharded model with DeepSpeed's own gather (not the export's reader): same tensors, same
+    # logits through from_pretrained.
+    exported = export_checkpoint(checkpoint, tmp_path / "export", progress=False)
+    assert exported["tensor_parallel"] == 2 and exported["hugging_face"], exported
+    final, export = folder_tensors(runs[2] / "final"), folder_tensors(tmp_path / "export")
+    assert sorted(export) == sorted(final)
+    split = [name for name in final if final[name].shape != joined_shape(checkpoint, name)]
+    assert split, "no tensor was split: the test would not see a wrong join"
+    for name, tensor in final.items():
+        assert torch.equal(export[name], tensor), name
+    assert torch.equal(logits(runs[2] / "final"), logits(tmp_path / "export"))
     # Resume with another tensor-parallel degree: refused before any work (tensor_parallel is no resumable key).
     sys.path.insert(0, str(RECIPE))
     from nlp_config import NLPConfig

@@ -14,7 +14,10 @@ import torch
 
 from common.errors import ConfigError
 from common.tools.export import (
+    JoinedSource,
+    TensorSource,
     check_out_dir,
+    join_slices,
     load_structure,
     locate,
     parse_size,
@@ -188,3 +191,37 @@ def test_tensor_difference_and_what_fails_a_verification():
     failed = verify_failures({**passed, "differing": ["w"], "max_abs_param_diff": 0.5, "missing": ["b"]})
     assert failed == ["1 tensors differ (e.g. w, max abs difference 0.5)", "1 tensors are missing (e.g. b)"]
     assert verify_failures({**passed, "max_abs_logit_diff": 1e-6}) == ["logits differ by up to 1e-06"]
+
+
+# --- tensor-parallel slices: which dimension joins them (the data is checked end to end in the TP recipe test) ---
+
+
+def slice_of(*shape: int) -> TensorSource:
+    return TensorSource(torch.Size(shape), ())
+
+
+@pytest.mark.parametrize(
+    ("slices", "whole", "expected"),
+    [
+        ([(64, 32), (64, 32)], (64, 32), None),  # replicated (embedding, norm): slice 0
+        ([(32, 64), (32, 64)], (64, 64), 0),  # column-parallel (q/k/v, gate/up): rows
+        ([(64, 16), (64, 16)], (64, 32), 1),  # row-parallel (o_proj, down_proj): columns
+        ([(64,), (64,)], None, None),  # a buffer the model does not save: slice 0
+    ],
+    ids=["replicated", "column", "row", "buffer"],
+)
+def test_tensor_parallel_slices_join_along_the_dimension_they_split(slices, whole, expected):
+    parts = [slice_of(*shape) for shape in slices]
+    joined = join_slices("w", parts, torch.Size(whole) if whole else None)
+    if expected is None:
+        assert joined is parts[0]
+    else:
+        assert isinstance(joined, JoinedSource) and joined.dim == expected and joined.shape == torch.Size(whole)
+
+
+@pytest.mark.parametrize(
+    "slices", [[(32, 64), (16, 64)], [(32, 32), (32, 32)], [(64, 16, 1), (64, 16, 1)]], ids=["sum", "two-dims", "rank"]
+)
+def test_slices_that_do_not_join_into_the_model_are_refused(slices):
+    with pytest.raises(ConfigError, match="do not join into the model's"):
+        join_slices("w", [slice_of(*shape) for shape in slices], torch.Size((64, 64)))

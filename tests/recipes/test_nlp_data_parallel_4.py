@@ -1,0 +1,79 @@
+"""Guide 2's 3-D layouts on 4 processes: TP 2 x DP 2 and PP 2 x DP 2 train like 4 data-parallel replicas.
+
+One reference serves both: 4 Accelerate replicas, ZeRO 1, fp32, a micro-batch of 2 sequences each, 8 sequences per
+optimizer step. The tensor-parallel run (Accelerate, TP 2 x DP 2) reads the same 8 as a micro-batch of 4 on each of
+its 2 replicas (both ranks of a tensor-parallel group read the same one); the pipeline run (train_pipeline.py,
+PP 2 x DP 2) as 2 micro-batches of 2 in flight on each replica. ``StepSampler`` gives every optimizer step the same
+global batch whatever the layout, so the fp32 training losses agree to rounding. The pipeline's validation loss
+leaves out a rank's shorter last micro-batch: only the training losses are compared.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from _util import PYTHON, REPO, accelerate_launch, free_port, read_json, run
+
+from common.rundir import read_metrics
+
+RECIPE = REPO / "recipes" / "nlp"
+STEPS = 5
+RUN = [
+    "data=stdlib",
+    "max_train_tokens=60000",
+    "preset=deepspeed_stage_1",
+    "precision=fp32",
+    f"max_steps={STEPS}",
+    "seq_len=64",
+    "micro_batch_size=2",
+    "max_val_tokens=1024",
+    f"eval_interval={STEPS}",
+    f"checkpoint_interval={STEPS}",
+    "log_interval=1",
+    "sample_tokens=4",
+    "warmup_steps=2",
+]
+
+
+def train_losses(out_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in read_metrics(out_dir) if "train_loss" in r}
+
+
+def accelerate(out_dir: Path, *extra: str) -> dict[int, float]:
+    script = RECIPE / "train_accelerate.py"
+    accelerate_launch(script, [f"out_dir={out_dir}", *RUN, *extra], RECIPE / "accelerate.yaml", num_processes=4)
+    assert read_json(out_dir / "summary.json")["world_size"] == 4
+    return train_losses(out_dir)
+
+
+def assert_same_losses(losses: dict[int, float], reference: dict[int, float]) -> None:
+    assert sorted(losses) == sorted(reference) == list(range(1, STEPS + 1))
+    for step in reference:
+        assert math.isclose(losses[step], reference[step], rel_tol=1e-5), (step, losses, reference)
+    assert losses[STEPS] < losses[1]  # it trained
+
+
+@pytest.fixture(scope="module")
+def data_parallel_4(tmp_path_factory) -> dict[int, float]:
+    """The reference: 4 data-parallel replicas (Accelerate), the per-step training losses."""
+    return accelerate(tmp_path_factory.mktemp("dp4") / "run")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_by_data_parallel_2_trains_like_data_parallel_4(data_parallel_4, tmp_path):
+    losses = accelerate(tmp_path / "tp2dp2", "tensor_parallel=2", "micro_batch_size=4")
+    assert read_json(tmp_path / "tp2dp2" / "ds_config.json")["tensor_parallel"] == {"autotp_size": 2}
+    assert_same_losses(losses, data_parallel_4)
+
+
+@pytest.mark.slow
+def test_pipeline_2_by_data_parallel_2_trains_like_data_parallel_4(data_parallel_4, tmp_path):
+    out_dir = tmp_path / "pp2dp2"
+    torchrun = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port())]
+    args = [f"out_dir={out_dir}", "pipeline_parallel=2", *RUN, "pipeline_micro_batches=2"]
+    run([*torchrun, RECIPE / "train_pipeline.py", *args], timeout=600)
+    pipeline = read_json(out_dir / "summary.json")["pipeline"]
+    assert pipeline["stages"] == 2 and pipeline["micro_batches"] == 2
+    assert_same_losses(train_losses(out_dir), data_parallel_4)
