@@ -43,7 +43,7 @@ from common.errors import exit_on_user_error  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "parallelism.json"
 DOCS = {"Parallelism on this machine": REPO / "docs" / "parallelism.md"}
-STEPS = 10
+STEPS = 30
 COMMON = [
     "data=stdlib",
     "max_train_tokens=60000",

@@ -533,6 +533,7 @@ class MemoryPlan:
     params_per_tensor_rank: int | None = None  # under tensor parallelism: the slice one rank holds before ZeRO
     expert_parallel: int = 1
     expert_params_per_rank: int = 0  # this rank's experts (num_experts / EP per layer), in num_params
+    pipeline_parallel: int = 1  # train_pipeline.py: a rank holds its stage's layers, about 1/PP of the model
 
     def text(self) -> str:
         """The lines printed before training."""
@@ -545,6 +546,12 @@ class MemoryPlan:
             if tp > 1
             else ""
         )
+        if self.pipeline_parallel > 1:
+            split += (
+                f"\n  pipeline_parallel={self.pipeline_parallel}: each rank holds its stage's layers, about "
+                f"1/{self.pipeline_parallel} of the model, and ZeRO shards that over the "
+                f"{self.world_size // self.pipeline_parallel} data-parallel rank(s)"
+            )
         if self.expert_params_per_rank:
             split += (
                 f"\n  experts: {self.expert_params_per_rank / 1e6:.2f}M of the parameters on this rank "
@@ -568,13 +575,16 @@ def memory_plan(
     world_size: int,
     tensor_parallel: int = 1,
     expert_parallel: int = 1,
+    pipeline_parallel: int = 1,
 ) -> MemoryPlan:
     """The plan for ``model`` (built, not yet sharded by AutoTP) under ``ds_config`` on ``world_size`` ranks.
 
     Under tensor parallelism a rank holds the split linear layers' 1/TP and the rest whole
     (:func:`~common.memory_formulas.tensor_replicated_numel`), and ZeRO shards that slice over world / TP ranks. A MoE
     model's experts on this rank (1/``expert_parallel`` of each layer's) have their states sharded by ZeRO over the
-    expert data-parallel ranks, world / ``expert_parallel``.
+    expert data-parallel ranks, world / ``expert_parallel``. Under the pipeline engine a rank holds its stage's layers,
+    planned as the planner does (:func:`~common.memory_formulas.rank_params`: parameters / PP, the embedding and the
+    output layer counted as any layer's), sharded by ZeRO over world / PP ranks.
     """
     sizes = param_sizes(model)
     stage, precision = zero_stage(ds_config), precision_of(ds_config)
@@ -585,6 +595,8 @@ def memory_plan(
         replicated = tensor_replicated_numel(model)
         held = per_tensor_rank = (held - replicated) // tensor_parallel + replicated
         shards = world_size // tensor_parallel
+    if pipeline_parallel > 1:
+        held, shards = held // pipeline_parallel, world_size // pipeline_parallel
     predicted = predicted_model_state_bytes(held, stage, shards, precision, persistent_params=persistent)
     during = predicted_model_state_bytes(held, stage, shards, precision, True, persistent)
     if expert_elements:
@@ -605,6 +617,7 @@ def memory_plan(
         params_per_tensor_rank=per_tensor_rank,
         expert_parallel=expert_parallel,
         expert_params_per_rank=expert_elements,
+        pipeline_parallel=pipeline_parallel,
     )
 
 

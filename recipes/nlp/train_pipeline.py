@@ -245,7 +245,7 @@ def main() -> None:
     attention = resolve_attention(cfg.attention, device.type, torch_dtype(cfg.precision))
     # Without transformers-level checkpointing: PipelineModule checkpoints its layers itself.
     model = build_model(dataclasses.replace(cfg, activation_checkpointing="none"), config, attention)
-    plan = memory_plan(model, ds_config, world_size // cfg.pipeline_parallel)
+    plan = memory_plan(model, ds_config, world_size, pipeline_parallel=cfg.pipeline_parallel)
     pipe = deepspeed.pipe.PipelineModule(
         layers=pipeline_layers(model, attention),
         num_stages=cfg.pipeline_parallel,
@@ -259,7 +259,7 @@ def main() -> None:
     held = sum(p.numel() for p in pipe.parameters())
     del model  # the other stages' layers are freed with it
     if main_process:
-        print(plan.text() + f"\n  (per pipeline stage: about 1/{cfg.pipeline_parallel} of it on each rank)")
+        print(plan.text())
         print(f"after construction rank 0 holds {held:,} of {plan.num_params:,} parameter elements", flush=True)
     optimizer = make_optimizer(
         param_groups(pipe, cfg.weight_decay), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay

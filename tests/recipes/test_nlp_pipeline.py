@@ -150,6 +150,9 @@ def test_each_stage_holds_the_parameters_the_planner_gives(runs):
     assert len(measured) == 2
     for held in measured:
         assert abs(held - planned) <= 0.05 * planned, (measured, planned)
+    # ... and the plan the entry point printed before training (summary.json's memory_plan) is the planner's.
+    printed = read_json(runs[2] / "summary.json")["memory_plan"]["predicted_bytes_per_rank"]["params"]
+    assert abs(printed - planned) <= 0.05 * planned, (printed, planned)
     one_stage = read_json(runs[1] / "summary.json")["pipeline"]["params_bytes_per_rank"]
     assert one_stage == [facts.num_params * 4]
 
