@@ -40,6 +40,7 @@ RESULTS_BENCH = {
     "checkpoint_bytes.json": "checkpoint_bytes.py",
     "default_runs.json": "default_runs.py",
     "default_runs_cv.json": "default_runs.py",
+    "parallelism.json": "parallelism.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 
