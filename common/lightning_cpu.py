@@ -112,6 +112,9 @@ class ZeroDeepSpeedStrategy(DeepSpeedStrategy):
 
     strategy_name = "zero_deepspeed"
     _hf_ds_config: Any = None
+    # DeepSpeed's model-parallel groups for deepspeed.initialize (Ulysses: common.sequence_parallel.register), set by
+    # the LightningModule's configure_model; Lightning's own call passes none.
+    mpu: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         warn_if_untested_lightning()
@@ -175,10 +178,11 @@ class ZeroDeepSpeedStrategy(DeepSpeedStrategy):
         return self.local_rank if index is None else index
 
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:
-        if not self._on_cpu:
+        if not self._on_cpu and self.mpu is None:
             return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
         import deepspeed
 
+        # Lightning's own call, with the local rank on a CPU and the model-parallel groups when a recipe set them.
         model_parameters = filter(lambda p: p.requires_grad, model.parameters())
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank()),
@@ -188,5 +192,6 @@ class ZeroDeepSpeedStrategy(DeepSpeedStrategy):
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
+            mpu=self.mpu,
         )
         return engine, ds_optimizer

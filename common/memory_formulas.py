@@ -312,7 +312,7 @@ def tensor_replicated_numel(model: Any) -> int:
     return sum(n for key, n in others.items() if key not in linear)
 
 
-# --- tensor, pipeline and expert parallelism (issue 18) -----------------------------------------------------
+# --- tensor, pipeline, expert (issue 18) and sequence (issue 21) parallelism -------------------------------
 
 
 @dataclass(frozen=True)
@@ -323,23 +323,33 @@ class ParallelLayout:
     and ZeRO partitions a slice's model states over the DP = world / (TP x PP) ranks that hold the same slice. MoE
     experts are split over EP of those DP ranks, and each expert is data-parallel over the other DP / EP: DeepSpeed's
     "expert data parallel" group (``deepspeed.utils.groups._create_expert_data_and_model_parallel``; world / EP
-    without TP or PP), over which ZeRO partitions the experts' states.
+    without TP or PP), over which ZeRO partitions the experts' states. Ulysses sequence parallelism (SP) splits every
+    sequence over SP ranks of a replica, which then see the same samples: DP = world / (TP x PP x SP) replicas read
+    different batches, but ZeRO partitions over the SP ranks too (DeepSpeed's "sequence data parallel" group,
+    ``groups._get_sequence_data_parallel_group``), so model states are sharded over world / (TP x PP) ranks.
 
     Attributes:
         world_size: ranks in total (devices per node x nodes).
         tensor: TP, ranks splitting each matrix (Megatron-style tensor parallelism, DeepSpeed's AutoTP).
         pipeline: PP, pipeline stages (``deepspeed.pipe.PipelineModule``), each holding L / PP blocks.
         expert: EP, ranks splitting the routed experts of each MoE layer.
+        sequence: SP, ranks splitting each sequence (DeepSpeed's Ulysses, ``UlyssesSPAttentionHF``).
     """
 
     world_size: int
     tensor: int = 1
     pipeline: int = 1
     expert: int = 1
+    sequence: int = 1
 
     @property
     def data_parallel(self) -> int:
-        """DP = world / (TP x PP): the ranks ZeRO partitions the dense states over."""
+        """DP = world / (TP x PP x SP): the replicas that read different samples (the global batch's factor)."""
+        return self.world_size // (self.tensor * self.pipeline * self.sequence)
+
+    @property
+    def zero_ranks(self) -> int:
+        """World / (TP x PP) = DP x SP: the ranks ZeRO partitions the dense states over (SP ranks included)."""
         return self.world_size // (self.tensor * self.pipeline)
 
     @property
@@ -349,7 +359,8 @@ class ParallelLayout:
 
     @property
     def trivial(self) -> bool:
-        """Pure data parallelism: the guide's formulas apply as they are."""
+        """Every rank holds the whole model: the guide's formulas apply to model states as they are, N = world (SP
+        ranks hold the whole model and ZeRO shards over them too)."""
         return self.tensor == self.pipeline == self.expert == 1
 
 
@@ -365,15 +376,38 @@ def check_layout(facts: ModelFacts, layout: ParallelLayout) -> None:
     """Refuse a layout DeepSpeed or Megatron cannot build, with what to change.
 
     Raises:
-        ConfigError: the ranks do not split into TP x PP x DP, the layers into PP stages, the heads over TP ranks,
-            the experts over EP ranks, or DP over EP (DeepSpeed's ``_ensure_divisibility(dp_world_size,
-            expert_parallel_size_)``); or expert parallelism on a model without experts.
+        ConfigError: the ranks do not split into TP x PP x SP x DP, the layers into PP stages, the heads over TP
+            ranks, the query heads over TP x SP ranks (``UlyssesSPAttentionHF``: "Attention head count ... is not
+            divisible by SP size"), the key/value heads over SP ranks or SP ranks over them (its "KV attention head
+            count ... not divisible by SP size ... or vice versa"), the experts over EP ranks, or DP over EP
+            (DeepSpeed's ``_ensure_divisibility(dp_world_size, expert_parallel_size_)``); or expert parallelism on a
+            model without experts, or with sequence parallelism (not estimated).
     """
     t, p, e, world = layout.tensor, layout.pipeline, layout.expert, layout.world_size
-    for flag, value in (("--tensor-parallel", t), ("--pipeline-parallel", p), ("--expert-parallel", e)):
+    sp = layout.sequence
+    flags = (
+        ("--tensor-parallel", t),
+        ("--pipeline-parallel", p),
+        ("--expert-parallel", e),
+        ("--sequence-parallel", sp),
+    )
+    for flag, value in flags:
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     hint = _assumed_hint(facts)
+    if sp > 1:
+        check_sequence_parallel(facts, sp, t)
+        if world % (t * p * sp):
+            raise ConfigError(
+                f"{world} ranks do not split into tensor {t} x pipeline {p} x sequence {sp} = {t * p * sp} ranks per "
+                "replica: the data-parallel degree world / (TP x PP x SP) must be whole; change --gpus/--nodes or "
+                "the parallel sizes"
+            )
+        if e > 1:
+            raise ConfigError(
+                f"--expert-parallel {e} with --sequence-parallel {sp} is not estimated: the planner does not know how "
+                "DeepSpeed lays expert groups over sequence-parallel ranks; drop one of them"
+            )
     if world % (t * p):
         raise ConfigError(
             f"{world} ranks do not split into tensor {t} x pipeline {p} = {t * p} ranks per replica: the data-parallel "
@@ -411,6 +445,62 @@ def check_layout(facts: ModelFacts, layout: ParallelLayout) -> None:
         )
 
 
+def check_sequence_parallel(
+    facts: ModelFacts,
+    sequence_parallel: int,
+    tensor_parallel: int = 1,
+    seq_len: int | None = None,
+    attention: str | None = None,
+) -> None:
+    """Refuse a Ulysses sequence-parallel size that ``UlyssesSPAttentionHF`` cannot run, naming the value.
+
+    SP must divide the query heads (each rank attends with heads / SP of them over the whole sequence), and the
+    key/value heads must split over SP ranks or SP ranks over them (then each rank holds one replicated KV head);
+    ``seq_len`` must split into SP equal slices; eager attention is refused (it needs an s x s mask).
+
+    Raises:
+        ConfigError: naming ``--sequence-parallel`` and the value that does not split.
+    """
+    sp = sequence_parallel
+    if sp < 1:
+        raise ConfigError(f"--sequence-parallel must be >= 1, got {sp}")
+    if sp == 1:
+        return
+    hint = _assumed_hint(facts)
+    if not facts.num_heads:
+        raise ConfigError("--sequence-parallel needs the model's attention heads: pass --model-config or --params")
+    heads = facts.num_heads // max(1, tensor_parallel)
+    if facts.num_heads % max(1, tensor_parallel) or heads % sp:
+        per = f" ({facts.num_heads} / tensor {tensor_parallel})" if tensor_parallel > 1 else ""
+        raise ConfigError(
+            f"--sequence-parallel {sp} does not divide the {heads} attention heads{per}{hint}: Ulysses gives each "
+            f"sequence-parallel rank heads / SP of them; choose --sequence-parallel dividing {heads}"
+        )
+    kv = (facts.num_kv_heads or facts.num_heads) // max(1, tensor_parallel)
+    if kv % sp and sp % kv:
+        raise ConfigError(
+            f"--sequence-parallel {sp} and the {kv} key/value heads{hint} do not divide one another: Ulysses splits "
+            "the key/value heads over the SP ranks (or replicates one per rank when SP is larger); choose "
+            f"--sequence-parallel dividing {kv} or a multiple of it"
+        )
+    if seq_len is not None and seq_len % sp:
+        raise ConfigError(
+            f"--seq-len {seq_len} is not divisible by --sequence-parallel {sp}: each rank holds seq_len / SP tokens; "
+            f"choose a length that is a multiple of {sp} (e.g. {seq_len - seq_len % sp or sp})"
+        )
+    if attention == "eager":
+        raise ConfigError(
+            f"--sequence-parallel {sp} with eager attention: DeepSpeed's Ulysses refuses eager (it needs an s x s "
+            "mask); use sdpa or flash_attention_2"
+        )
+
+
+def kv_heads_per_rank(facts: ModelFacts, sequence_parallel: int = 1, tensor_parallel: int = 1) -> float:
+    """Key/value heads one rank attends with: KV / TP, split over SP ranks, or 1 replicated head when SP > KV / TP."""
+    kv = (facts.num_kv_heads or facts.num_heads or 1) / tensor_parallel
+    return kv if sequence_parallel == 1 else max(kv / sequence_parallel, 1.0)
+
+
 def rank_params(facts: ModelFacts, layout: ParallelLayout) -> tuple[float, float]:
     """(dense, expert) parameters one rank holds: (split / TP + replicated) / PP and experts / (EP x PP).
 
@@ -428,9 +518,9 @@ def rank_params(facts: ModelFacts, layout: ParallelLayout) -> tuple[float, float
 
 
 def rank_partition(facts: ModelFacts, layout: ParallelLayout) -> int:
-    """Elements of one rank's ZeRO partition: its dense parameters over DP plus its experts over DP / EP."""
+    """Elements of one rank's ZeRO partition: its dense parameters over DP x SP plus its experts over DP / EP."""
     dense, experts = rank_params(facts, layout)
-    return math.ceil(dense / layout.data_parallel) + math.ceil(experts / layout.expert_data_parallel)
+    return math.ceil(dense / layout.zero_ranks) + math.ceil(experts / layout.expert_data_parallel)
 
 
 def parallel_model_states(
@@ -445,9 +535,9 @@ def parallel_model_states(
 ) -> tuple[float, float]:
     """(device bytes, host bytes) of model states per rank: :func:`guide_model_states` on the rank's slice.
 
-    The guide's formula with K = the rank's dense parameters (:func:`rank_params`) and N = DP, plus the same formula
-    for its experts with N = DP / EP (DeepSpeed's expert data-parallel group). Stage-3 persistent parameters (norm
-    weights: replicated over TP, split over PP) add their whole copies divided by PP. Pure data parallelism is
+    The guide's formula with K = the rank's dense parameters (:func:`rank_params`) and N = DP x SP, plus the same
+    formula for its experts with N = DP / EP (DeepSpeed's expert data-parallel group). Stage-3 persistent parameters
+    (norm weights: replicated over TP, split over PP) add their whole copies divided by PP. Pure data parallelism is
     :func:`guide_model_states` itself.
     """
     if layout.trivial:
@@ -457,13 +547,13 @@ def parallel_model_states(
     if lora_rank:
         raise ConfigError("--lora-rank with tensor, pipeline or expert parallelism is not estimated: drop one of them")
     dense, experts = rank_params(facts, layout)
-    parts = predicted_model_state_bytes(dense, stage, layout.data_parallel, precision, grads_alive=grads_alive)
+    parts = predicted_model_state_bytes(dense, stage, layout.zero_ranks, precision, grads_alive=grads_alive)
     if experts:
         moe = predicted_model_state_bytes(
             experts, stage, layout.expert_data_parallel, precision, grads_alive=grads_alive
         )
         parts = {key: parts[key] + moe[key] for key in parts}
-    sharded = stage == 3 and layout.data_parallel > 1
+    sharded = stage == 3 and layout.zero_ranks > 1
     persistent = persistent_params(facts, persistence_threshold) / layout.pipeline
     return _place_states(parts, WORKING_BYTES[precision] * persistent if sharded else 0.0, offload)
 
@@ -628,6 +718,7 @@ def activation_parts(
     precision: str = "bf16",
     attention: str = "sdpa",
     tensor_parallel: int = 1,
+    sequence_parallel: int = 1,
 ) -> ActivationParts | None:
     """The saved-for-backward bytes of a transformer's pieces, or None if the facts are not a transformer's.
 
@@ -647,19 +738,34 @@ def activation_parts(
     inputs (4), the attention and MLP inputs (2 + 2) and the two dropout masks (1 + 1) stay whole. The output
     layer is vocabulary-parallel (Megatron; AutoTP's ``vocab_parallel_lm_head``): its logits are split by t too.
     A model of that split, not checked against autograd (one rank of a TP group is not run here).
+
+    ``sequence_parallel`` N > 1 is DeepSpeed's Ulysses (``UlyssesSPAttentionHF``, sdpa or FlashAttention): each rank
+    holds seq_len / N tokens of every per-token tensor (the norms, the MLP, the block input, the output layer and
+    loss, the token ids, the rotary tables of its positions). Inside attention an all-to-all gives each rank the
+    whole sequence for heads / N query heads and KV / N key/value heads (one replicated head when N > KV), so q,
+    the output and the log-sum-exp are 1/N of a rank's share without SP; k and v are P s b d x max(KV / N, 1). The
+    all-to-all itself saves nothing for backward (its backward is another all-to-all), but its output comes back in
+    a fresh tensor, so the output projection's input is a copy of its own (P h per local token) where without SP it
+    shares the attention output's storage. Measured against autograd on 2 gloo ranks by
+    tests/unit/test_sequence_parallel_activations.py.
     """
     if facts.architecture != "transformer" or not (facts.hidden_size and facts.num_layers and facts.num_heads):
         return None
     if attention not in ATTENTIONS:
         raise ConfigError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     eager = attention == "eager"
+    n = sequence_parallel
+    if n > 1:
+        check_sequence_parallel(facts, n, tensor_parallel, seq_len, attention)
     p = WORKING_BYTES[precision]
-    tokens, b, s = seq_len * micro_batch_size, micro_batch_size, seq_len
+    # Per rank: seq_len / N tokens of every per-token tensor (N = 1: the whole sequence).
+    b, s = micro_batch_size, seq_len / n
+    tokens = s * b
     h, a = facts.hidden_size, facts.num_heads
     vocab = facts.vocab_size or 0
     t = tensor_parallel
-    scores = a * s * tokens  # a x s x s per sample
-    lse = FP32 * a * tokens
+    scores = a * s * tokens  # a x s x s per sample (eager: N = 1)
+    lse = FP32 * a * tokens  # N > 1: a / N heads over N s tokens, the same bytes
     ids = 2 * INDEX_BYTES * tokens  # input ids (embedding) and shifted labels (loss)
     if facts.block != "llama":
         scale = p / 2  # the paper's counts are 16-bit
@@ -670,7 +776,7 @@ def activation_parts(
         # After attention: second norm (2) + MLP input and dropout mask (3) + the two 4h-wide tensors (16 / t).
         after = (5 + 16 / t) * tokens * h * scale
         return ActivationParts(layer, attention_part, p * tokens * h, head, after_attention=after)
-    h_kv = (facts.num_kv_heads or a) * (facts.head_dim or h // a)
+    head_dim = facts.head_dim or h // a
     inter = facts.intermediate_size or int(8 * h / 3)
     norm = (FP32 + 2 * p) * tokens * h + FP32 * tokens
     # Everything attention and the MLP save lives per head or per MLP column: tensor parallelism splits it all.
@@ -678,10 +784,13 @@ def activation_parts(
         softmax = FP32 + (p if p != FP32 else 0)
         attention_part = (4 * p * tokens * h + softmax * scores) / t
     else:
-        attention_part = (2 * p * tokens * h + 2 * p * tokens * h_kv + lse) / t
+        # k and v: the rank's KV heads over the whole sequence (N s tokens); N > 1 adds o_proj's own input copy.
+        kv = 2 * p * (n * tokens) * head_dim * kv_heads_per_rank(facts, n, t)
+        ulysses_copy = p * tokens * h / t if n > 1 else 0.0
+        attention_part = (2 * p * tokens * h + lse) / t + kv + ulysses_copy
     mlp = 4 * p * tokens * inter / t
     head = norm + FP32 * tokens * vocab / t + ids
-    rope = 2 * p * s * (facts.head_dim or h // a)
+    rope = 2 * p * s * head_dim
     mask = p * b * s * s if eager else 0.0
     block_input = p * tokens * h
     return ActivationParts(
@@ -725,8 +834,9 @@ def transformer_activations(
     attention: str = "sdpa",
     tensor_parallel: int = 1,
     with_head: bool = True,
+    sequence_parallel: int = 1,
 ) -> float | None:
-    """Peak bytes saved for backward per rank (no sequence parallelism), or None if not a transformer.
+    """Peak bytes saved for backward per rank, or None if not a transformer.
 
     Without recomputation every block keeps :func:`activation_parts`' ``layer``. A checkpointed block
     keeps its input, and during the backward pass the last checkpointed block is recomputed whole while
@@ -734,18 +844,20 @@ def transformer_activations(
     (with the loss's log-probabilities) and that moment (the loss's saved tensors are freed by then).
     ``selective`` recomputes only attention. Which blocks a preset wraps comes from common.activation.
     ``tensor_parallel`` splits each block's tensors (:func:`activation_parts`); ``with_head=False`` leaves out the
-    output layer and loss (a pipeline stage other than the last).
+    output layer and loss (a pipeline stage other than the last). ``sequence_parallel`` N > 1 is Ulysses: the same
+    peaks on the rank's seq_len / N tokens (:func:`activation_parts`); ``seq_len`` is the whole sequence.
     """
     from common.activation import check_preset
 
     check_preset(checkpointing)
-    parts = activation_parts(facts, seq_len, micro_batch_size, precision, attention, tensor_parallel)
+    parts = activation_parts(facts, seq_len, micro_batch_size, precision, attention, tensor_parallel, sequence_parallel)
     if parts is None:
         return None
     if not with_head:
         parts = replace(parts, head=0.0)
     n_layers = facts.num_layers or 0
-    token_ids = INDEX_BYTES * seq_len * micro_batch_size  # the embedding's ids, alive until the very end
+    # The embedding's ids (the rank's slice), alive until the very end.
+    token_ids = INDEX_BYTES * seq_len * micro_batch_size / sequence_parallel
     if checkpointing == "selective":
         kept = _saved_after_forward(parts, n_layers, checkpointing)
         # The last block's attention is recomputed once its MLP and second norm have been freed.
@@ -771,6 +883,7 @@ def pipeline_activations(
     attention: str = "sdpa",
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
+    sequence_parallel: int = 1,
 ) -> float | None:
     """Peak bytes saved for backward on the busiest pipeline stage, or None if not a transformer.
 
@@ -781,19 +894,20 @@ def pipeline_activations(
     2022 (arXiv:2205.05198), section 4.2.3 ("the first stage must store activations for p microbatches ... L/p
     layers each"). The last stage holds one micro-batch and the output layer; the answer is the larger of the two.
     It assumes at least PP micro-batches a step (gradient accumulation >= PP; fewer leave the pipeline idle).
-    One stage is :func:`transformer_activations`.
+    One stage is :func:`transformer_activations` (``sequence_parallel``: Ulysses, the rank's slice of the sequence).
     """
+    sp = sequence_parallel
     if pipeline_parallel == 1:
         return transformer_activations(
-            facts, seq_len, micro_batch_size, checkpointing, precision, attention, tensor_parallel
+            facts, seq_len, micro_batch_size, checkpointing, precision, attention, tensor_parallel, sequence_parallel=sp
         )
     stage = replace(facts, num_layers=(facts.num_layers or 0) // pipeline_parallel)
     run = (seq_len, micro_batch_size, checkpointing, precision, attention, tensor_parallel)
-    last = transformer_activations(stage, *run)
-    parts = activation_parts(stage, seq_len, micro_batch_size, precision, attention, tensor_parallel)
+    last = transformer_activations(stage, *run, sequence_parallel=sp)
+    parts = activation_parts(stage, seq_len, micro_batch_size, precision, attention, tensor_parallel, sp)
     if last is None or parts is None:
         return None
-    in_backward = transformer_activations(stage, *run, with_head=False) or 0.0
+    in_backward = transformer_activations(stage, *run, with_head=False, sequence_parallel=sp) or 0.0
     waiting = _saved_after_forward(parts, stage.num_layers or 0, checkpointing)
     return float(max(last, (pipeline_parallel - 1) * waiting + in_backward))
 

@@ -59,6 +59,18 @@ LLAMA_SIZES: dict[str, dict[str, Any]] = {
         "vocab_size": 32000,
         "max_position_embeddings": 4096,
     },
+    # Llama-3-8B: grouped-query attention (8 key/value heads), a 128k vocabulary, rope_theta 500000; the long-context
+    # config (configs/llama_8b_long.yaml) runs it with Ulysses sequence parallelism.
+    "8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    },
 }
 
 

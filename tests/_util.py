@@ -106,3 +106,30 @@ def check_async_saves(out_dir: Path, saved_steps: list[int], world_size: int = 2
     blocked = [(r["step"], r["checkpoint_blocked_s"]) for r in read_metrics(out_dir) if "checkpoint_blocked_s" in r]
     assert [step for step, _ in blocked] == saved_steps and all(s >= 0 for _, s in blocked), blocked
     return latest
+
+
+def tiny_fp32_run(steps: int) -> list[str]:
+    """NLP recipe arguments for an equivalence run: the tiny model, fp32 (losses equal to rounding across layouts),
+    ``steps`` optimizer steps, each logged, one evaluation and one checkpoint at the end, a short sample. The
+    learning rate is constant after warmup, so a run resumed with a larger ``max_steps`` keeps the schedule."""
+    return [
+        "data=stdlib",
+        "max_train_tokens=60000",
+        "precision=fp32",
+        f"max_steps={steps}",
+        "seq_len=64",
+        "micro_batch_size=2",
+        "max_val_tokens=1024",
+        f"eval_interval={steps}",
+        f"checkpoint_interval={steps}",
+        "log_interval=1",
+        "sample_tokens=4",
+        "warmup_steps=2",
+        "min_lr_ratio=1.0",
+    ]
+
+
+def train_metric(out_dir: Path, key: str) -> dict[int, float]:
+    """``{step: value}`` of one training metric in a run's metrics.jsonl (e.g. ``train_loss``, ``grad_norm``)."""
+    records = (json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line)
+    return {r["step"]: r[key] for r in records if key in r}

@@ -38,6 +38,13 @@ second and a test can check each term. Per rank, for K parameters on N data-para
   DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3, so with PP > 1 those rows never fit; DeepSpeed's
   estimators know nothing of TP, PP or EP, so their column is empty. Bad combinations are refused by
   :func:`common.memory_formulas.check_layout`.
+- **Ulysses sequence parallelism** (``--sequence-parallel N``, DeepSpeed's ``UlyssesSPAttentionHF``): each rank
+  holds seq_len / N tokens of every per-token activation and heads / N of attention over the whole sequence
+  (:func:`common.memory_formulas.activation_parts`; measured on 2 gloo ranks by
+  tests/unit/test_sequence_parallel_activations.py). The SP ranks hold the same samples, so DP = world / (TP x PP x
+  SP), but ZeRO partitions model states over them too (DeepSpeed's sequence-data-parallel group): the states
+  column is the guide's formula with N = world / (TP x PP). :func:`longest_sequence` searches the longest sequence
+  each row fits, with and without SP.
 
 A row *fits* when model states + activations + buffers stay within 90 % of the device memory (10 %
 kept for fragmentation and the runtime's own context) and, with offload, the host RAM holds the
@@ -68,6 +75,7 @@ from common.memory_formulas import (
     assumed_transformer,
     buffer_bytes,
     check_layout,
+    check_sequence_parallel,
     deepspeed_estimate,
     facts_from_hf_config,
     fmt_gb,
@@ -138,6 +146,7 @@ class PlanInputs:
         tensor_parallel: TP, ranks splitting each matrix (1: none).
         pipeline_parallel: PP, pipeline stages (1: none).
         expert_parallel: EP, ranks splitting a MoE layer's experts (1: none).
+        sequence_parallel: SP, ranks splitting each sequence (Ulysses; 1: none).
     """
 
     gpus_per_node: int = 1
@@ -157,6 +166,7 @@ class PlanInputs:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     expert_parallel: int = 1
+    sequence_parallel: int = 1
 
     @property
     def world_size(self) -> int:
@@ -165,8 +175,10 @@ class PlanInputs:
 
     @property
     def layout(self) -> ParallelLayout:
-        """The ranks as tensor x pipeline x data parallel, with expert parallelism."""
-        return ParallelLayout(self.world_size, self.tensor_parallel, self.pipeline_parallel, self.expert_parallel)
+        """The ranks as tensor x pipeline x sequence x data parallel, with expert parallelism."""
+        return ParallelLayout(
+            self.world_size, self.tensor_parallel, self.pipeline_parallel, self.expert_parallel, self.sequence_parallel
+        )
 
 
 @dataclass
@@ -196,6 +208,8 @@ class Row:
     link_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)
     offload_seconds: tuple[float, float] | None = None
     slowest_link: str | None = None
+    longest_seq_len: int | None = None
+    longest_seq_len_without_sp: int | None = None
 
 
 @dataclass
@@ -212,6 +226,7 @@ class Plan:
         inputs = asdict(self.inputs)
         inputs["world_size"] = self.inputs.world_size
         inputs["data_parallel"] = self.inputs.layout.data_parallel
+        inputs["zero_partition_ranks"] = self.inputs.layout.zero_ranks
         model = asdict(self.model)
         model.pop("param_numels")  # one number per parameter: too long to print, persistent_params is per row
         return {
@@ -220,6 +235,7 @@ class Plan:
             "inputs": inputs,
             "usable_fraction": USABLE_FRACTION,
             "recommendation": self.recommendation,
+            "longest_sequence": longest_summary(self),
         }
 
 
@@ -268,13 +284,16 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
         raise ConfigError(f"precision must be bf16, fp16 or fp32, got {inputs.precision!r}")
     layout = inputs.layout
     check_layout(facts, layout)
+    sp = layout.sequence
+    if sp > 1:
+        check_sequence_parallel(facts, sp, layout.tensor, inputs.seq_len, inputs.attention)
     bucket = inputs.bucket_elements or bucket_elements(facts.hidden_size)
     # TP splits the largest matrix too (the embedding is vocabulary-parallel); an upper bound under EP.
     largest = (facts.largest_layer_params or 0) // layout.tensor
     usable = USABLE_FRACTION * inputs.device_memory_bytes
     ac = inputs.activation_checkpointing
     run = (inputs.seq_len, inputs.micro_batch_size)
-    split = (layout.tensor, layout.pipeline)
+    split = (layout.tensor, layout.pipeline, sp)
     act_none = pipeline_activations(facts, *run, "none", inputs.precision, inputs.attention, *split)
     act_ckpt = pipeline_activations(facts, *run, ac, inputs.precision, inputs.attention, *split)
     result = Plan(model=facts, inputs=inputs)
@@ -345,8 +364,74 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
                 **_offload_time(facts, stage, offload, inputs),
             )
         )
+        row = result.rows[-1]
+        if host_ok and not pipeline_refuses:
+            row.longest_seq_len = longest_sequence(facts, inputs, base, sp)
+            row.longest_seq_len_without_sp = longest_sequence(facts, inputs, base, 1) if sp > 1 else row.longest_seq_len
     result.recommendation = recommend(result)
     return result
+
+
+# --- the longest sequence that fits -------------------------------------------------------------------------
+
+SEQ_STEP = 1024  # the search's granularity: sequence lengths are multiples of it (and of SP)
+MAX_SEQ_LEN = 2**26  # 67M tokens: the search's ceiling
+
+
+def longest_sequence(facts: ModelFacts, inputs: PlanInputs, base_bytes: float, sequence_parallel: int) -> int | None:
+    """The longest sequence, a multiple of lcm(1024, SP) tokens, whose planner total fits in the usable memory.
+
+    ``base_bytes`` is a row's model states + buffers per rank (they do not depend on the sequence); activations are
+    :func:`common.memory_formulas.pipeline_activations` with the run's micro batch, precision, attention and
+    checkpointing preset (``inputs.activation_checkpointing``), at ``sequence_parallel``. A binary search: the
+    activations grow with the sequence. None when not even one step fits, or the activations are not estimated.
+    """
+    layout = inputs.layout
+    step = math.lcm(SEQ_STEP, sequence_parallel)
+    usable = USABLE_FRACTION * inputs.device_memory_bytes
+    run = (inputs.activation_checkpointing, inputs.precision, inputs.attention, layout.tensor, layout.pipeline)
+
+    def fits(k: int) -> bool:
+        act = pipeline_activations(facts, k * step, inputs.micro_batch_size, *run, sequence_parallel)
+        return act is not None and base_bytes + act <= usable
+
+    lo, hi = 0, MAX_SEQ_LEN // step  # fits(lo) is assumed, the answer is lo
+    if not fits(1):
+        return None
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
+def longest_summary(result: Plan) -> dict[str, Any]:
+    """The ``--json`` form of the longest sequences: the best row with and without SP, on the device alone and with
+    offload, for the run's micro batch and checkpointing preset."""
+    inp = result.inputs
+
+    def best(rows: list[Row], key: str) -> dict[str, Any] | None:
+        found = [r for r in rows if getattr(r, key)]
+        if not found:
+            return None
+        row = max(found, key=lambda r: (getattr(r, key), -r.stage))
+        return {"seq_len": getattr(row, key), "stage": row.stage, "offload": row.offload, "preset": row.preset}
+
+    on_device = [r for r in result.rows if r.offload == "none"]
+    return {
+        "sequence_parallel": inp.sequence_parallel,
+        "micro_batch_size": inp.micro_batch_size,
+        "activation_checkpointing": inp.activation_checkpointing,
+        "step_tokens": math.lcm(SEQ_STEP, inp.sequence_parallel),
+        "with_sp": {"on_device": best(on_device, "longest_seq_len"), "any": best(result.rows, "longest_seq_len")},
+        "without_sp": {
+            "on_device": best(on_device, "longest_seq_len_without_sp"),
+            "any": best(result.rows, "longest_seq_len_without_sp"),
+        },
+    }
 
 
 def recommend(result: Plan) -> dict[str, Any]:
@@ -460,6 +545,8 @@ def format_plan(result: Plan) -> str:
     ]
     if not inp.layout.trivial:
         lines += _layout_lines(result)
+    if inp.sequence_parallel > 1:
+        lines += _sequence_lines(result)
     if facts.architecture != "transformer":
         lines.append(
             f"activations: not estimated for {facts.architecture} (the formula is a transformer's): "
@@ -500,6 +587,8 @@ def format_plan(result: Plan) -> str:
         "  --bandwidth LINK=GB/s sets a measured one (bench/nvme_io.py measures the disk); --offload X shows the sums.",
         "",
     ]
+    if inp.sequence_parallel > 1:
+        lines += _longest_lines(result) + [""]
     if inp.offload not in (None, "none"):
         lines += _traffic_sums(result) + [""]
     recommended = (
@@ -541,6 +630,63 @@ def _layout_lines(result: Plan) -> list[str]:
         )
     indent = {True: "    ", False: "  "}  # continuation lines sit under their own line's text
     return [part for line in lines for part in textwrap.wrap(line, width=118, subsequent_indent=indent[line[0] == " "])]
+
+
+def _sequence_lines(result: Plan) -> list[str]:
+    """What a rank holds under Ulysses sequence parallelism, and how the columns change with it."""
+    inp, layout = result.inputs, result.inputs.layout
+    sp = layout.sequence
+    lines = [
+        f"sequence parallel: {sp} ranks split each sequence (Ulysses): a rank holds {inp.seq_len // sp:,} of "
+        f"{inp.seq_len:,} tokens, and heads / {sp} of attention over the whole sequence; data-parallel degree "
+        f"{layout.data_parallel} (= {inp.world_size} ranks / (TP {layout.tensor} x PP {layout.pipeline} x SP {sp})), "
+        f"global batch = micro batch x grad_accum x {layout.data_parallel}",
+        f"  model states: ZeRO partitions over the SP ranks too (DeepSpeed's sequence-data-parallel group): N = "
+        f"{layout.zero_ranks}; activations: the rank's slice of the sequence (all-to-all in each attention layer)",
+    ]
+    indent = {True: "    ", False: "  "}
+    return [part for line in lines for part in textwrap.wrap(line, width=118, subsequent_indent=indent[line[0] == " "])]
+
+
+def _longest_lines(result: Plan) -> list[str]:
+    """The longest sequence each row fits, with and without sequence parallelism (the planner's totals; printed with
+    ``--sequence-parallel`` N > 1, always in ``--json``)."""
+    inp = result.inputs
+    if result.model.architecture != "transformer" or not any(r.longest_seq_len for r in result.rows):
+        return []
+    sp = inp.sequence_parallel
+    step = math.lcm(SEQ_STEP, sp)
+    lines = [
+        f"longest sequence that fits, a multiple of {step:,} tokens (planner totals: states + buffers + activations "
+        f"with {inp.activation_checkpointing!r} checkpointing, micro batch {inp.micro_batch_size}):"
+    ]
+    lines = textwrap.wrap(lines[0], width=118, subsequent_indent="  ")
+    for r in result.rows:
+        if not (r.longest_seq_len or r.longest_seq_len_without_sp):
+            continue
+        text = f"  {_rung_name(r) + ':':<28} "
+        if sp > 1:
+            gain = (
+                f" ({r.longest_seq_len / r.longest_seq_len_without_sp:.1f}x)"
+                if r.longest_seq_len and r.longest_seq_len_without_sp
+                else ""
+            )
+            without, with_sp = _fmt_tokens(r.longest_seq_len_without_sp), _fmt_tokens(r.longest_seq_len)
+            text += f"{without} without SP, {with_sp} with SP {sp}{gain}"
+        else:
+            text += _fmt_tokens(r.longest_seq_len)
+        lines.append(text)
+    lines.append(
+        "  saved-for-backward bytes only: transient buffers (the logits' gradient, attention workspace) come on top"
+    )
+    return lines
+
+
+def _fmt_tokens(n: int | None) -> str:
+    """``98,304 tokens``; ``none`` when not one step fits; ``>= ...`` at the search's ceiling."""
+    if n is None:
+        return "none"
+    return f">= {n:,} tokens" if n + SEQ_STEP > MAX_SEQ_LEN else f"{n:,} tokens"
 
 
 def _fmt_seconds(low: float, high: float) -> str:
@@ -657,6 +803,13 @@ def register(sub: Any) -> None:
         default=None,
         help="EP: ranks splitting a MoE layer's experts (default 1, or the recipe's expert_parallel)",
     )
+    p.add_argument(
+        "--sequence-parallel",
+        type=int,
+        default=None,
+        help="SP: ranks splitting each sequence (DeepSpeed Ulysses); must divide the heads and --seq-len "
+        "(default 1, or the recipe's sequence_parallel)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_estimate)
 
@@ -674,6 +827,7 @@ def _recipe_inputs(args: Any) -> tuple[ModelFacts, dict[str, Any]]:
         "attention": cfg.get("attention"),
         "lora_rank": cfg.get("lora_rank") if cfg.get("lora", True) else None,
         "expert_parallel": cfg.get("expert_parallel"),
+        "sequence_parallel": cfg.get("sequence_parallel"),
     }
     ac = cfg.get("activation_checkpointing", "none")
     if ac and ac != "none":
@@ -729,6 +883,9 @@ def cmd_estimate(args: Any) -> int:
         expert_parallel=recipe_defaults.get("expert_parallel", 1)
         if args.expert_parallel is None
         else args.expert_parallel,
+        sequence_parallel=recipe_defaults.get("sequence_parallel", 1)
+        if args.sequence_parallel is None
+        else args.sequence_parallel,
     )
     result = plan(facts, inputs)
     print(to_json_text(result) if args.json else format_plan(result))

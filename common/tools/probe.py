@@ -13,6 +13,11 @@ the recipe accepts as ``--config``). The recommendation follows guide 1's ladder
 baseline; a stage-2 throughput more than 5 % below stage 1's is a network suspect; stage 3 only when
 stage 2 does not fit or cannot grow the batch; offload last.
 
+``--sequence-parallel N`` (DeepSpeed Ulysses, the NLP recipe's ``sequence_parallel``) runs every candidate with each
+sequence split over N of its processes: the key goes into each candidate's config and command and into
+``recommended.yaml``, and the report says so. N must divide the processes, the model's heads and ``seq_len`` (checked
+before anything runs, as ``zero-recipes estimate --sequence-parallel`` checks them).
+
 The recipe is a name (``nlp``, ``nlp:finetune``) or the folder of a copy made by ``zero-recipes cp``
 (:mod:`common.tools.recipes`). Each candidate's config is resolved by the recipe itself (``--describe``) and
 written as a YAML the candidate runs with; the report and plot are :mod:`common.tools.probe_report`'s.
@@ -37,7 +42,12 @@ from tqdm import tqdm
 from common.activation import check_preset
 from common.describe import RecipeDescription
 from common.errors import ConfigError, nearest
-from common.memory_formulas import GUIDE_BANDWIDTH_GBPS, local_device_memory, parse_bandwidths
+from common.memory_formulas import (
+    GUIDE_BANDWIDTH_GBPS,
+    check_sequence_parallel,
+    local_device_memory,
+    parse_bandwidths,
+)
 from common.presets import PRESET_NAMES, get_preset
 from common.strategy import write_accelerate_files
 from common.tools.probe_report import (
@@ -159,13 +169,18 @@ def candidate_command(
     out_dir: Path,
     config_file: Path,
     launch_config: Path | None = None,
+    sequence_parallel: int = 1,
 ) -> list[str]:
     """The command a user would type to run one candidate (its config file) for ``steps`` optimizer steps.
 
     ``launch_config`` is the accelerate YAML for the Accelerate backend (see :func:`accelerate_launch_file`).
+    ``sequence_parallel`` > 1 is written on the command line too (the config file holds it already), so the report's
+    command shows how the candidate split its sequences.
     """
     script = recipe.backend_script(backend)
     keys = ["--config", str(config_file), f"max_steps={steps}", f"out_dir={out_dir}", "overwrite=true"]
+    if sequence_parallel > 1:
+        keys.append(f"sequence_parallel={sequence_parallel}")
     if backend == "lightning":
         return [sys.executable, str(script), *keys, f"devices={devices}"]
     launch = [
@@ -380,6 +395,7 @@ def run_probe(
     runner: Runner = run_subprocess,
     progress: bool = True,
     bandwidth_gbps: dict[str, tuple[float, float]] | None = None,
+    sequence_parallel: int | None = None,
 ) -> ProbeResult:
     """Run each candidate, measure it, recommend one, and write the reports.
 
@@ -397,6 +413,8 @@ def run_probe(
         progress: show a progress bar over candidates on stderr.
         bandwidth_gbps: each offload link's GB/s as (low, high) for the planner's time column beside the measured
             offload cost (default: guide 1's table; ``--bandwidth`` gives this machine's).
+        sequence_parallel: Ulysses ranks per sequence for every candidate (``sequence_parallel=N`` in its config and
+            command); None keeps the config's own.
 
     Returns:
         The result; on Ctrl-C the rows measured so far, with ``interrupted`` set (reports are written either way).
@@ -409,6 +427,22 @@ def run_probe(
         devices = base.devices_per_node
     if devices < 1:
         raise ConfigError(f"--devices must be >= 1, got {devices}")
+    if sequence_parallel is not None:
+        if sequence_parallel < 1:
+            raise ConfigError(f"--sequence-parallel must be >= 1, got {sequence_parallel}")
+        if "sequence_parallel" not in base.config:
+            raise ConfigError(
+                f"--sequence-parallel: recipe {recipe.name} has no sequence_parallel key (the NLP one has)"
+            )
+        overrides.append(f"sequence_parallel={sequence_parallel}")  # every candidate and recommended.yaml
+    sp = int(base.config.get("sequence_parallel") or 1) if sequence_parallel is None else sequence_parallel
+    if sp > 1:
+        check_sequence_parallel(base.model, sp, seq_len=base.seq_len, attention=base.config.get("attention"))
+        if devices % sp:
+            raise ConfigError(
+                f"--sequence-parallel {sp} does not divide the {devices} processes per candidate: each sequence is "
+                f"split over {sp} of them; choose --devices a multiple of {sp}"
+            )
     script = recipe.backend_script(backend)
     if not script.is_file():
         raise ConfigError(f"recipe {recipe.name} has no {script.name} for the {backend} backend")
@@ -423,6 +457,7 @@ def run_probe(
         device_memory_bytes=device_memory,
         device_memory_label=label,
         script=recipe.shown_script(backend),
+        sequence_parallel=sp,
     )
     bar = tqdm(candidates, desc="probe", unit="candidate", disable=not progress, file=sys.stderr)
     try:
@@ -446,7 +481,7 @@ def run_probe(
                 log.write_text(f"error: {exc}\n")
                 code, text = 2, log.read_text()
             else:
-                command = candidate_command(recipe, backend, steps, devices, run_dir, cand_file, launch_file)
+                command = candidate_command(recipe, backend, steps, devices, run_dir, cand_file, launch_file, sp)
                 code, text = runner(command, log, timeout_s)
             row = measure(candidate, run_dir, code, text, command, log)
             result.rows.append(row)
@@ -516,6 +551,13 @@ def register(sub: Any) -> None:
         help="a measured bandwidth for the planner's offload time beside the measured one, e.g. nvme=1.5 "
         "(bench/nvme_io.py measures a disk; default: guide 1's table)",
     )
+    p.add_argument(
+        "--sequence-parallel",
+        type=int,
+        default=None,
+        help="Ulysses: processes splitting each sequence, for every candidate (the recipe's sequence_parallel; "
+        "must divide --devices, the heads and seq_len; default: the config's)",
+    )
     p.set_defaults(func=cmd_probe)
 
 
@@ -540,6 +582,7 @@ def cmd_probe(args: Any) -> int:
         out=args.out,
         timeout_s=args.timeout,
         bandwidth_gbps=parse_bandwidths(args.bandwidth),
+        sequence_parallel=args.sequence_parallel,
     )
     rec = result.recommendation
     out = Path(args.out)

@@ -64,6 +64,7 @@ class ProbeResult:
     recommended_config: str | None = None
     script: str = ""  # the candidates' entry script, as a command names it
     offload_timing: list[dict[str, Any]] = field(default_factory=list)  # planner vs measured, per offload row
+    sequence_parallel: int = 1  # Ulysses: processes splitting each sequence, in every candidate
 
     def to_json(self) -> dict[str, Any]:
         """``report.json``."""
@@ -201,6 +202,13 @@ def format_report_md(result: ProbeResult) -> str:
         f"`{result.config}`" + (" — **interrupted**: rows measured so far" if result.interrupted else ""),
         "",
     ]
+    if result.sequence_parallel > 1:
+        sp = result.sequence_parallel
+        lines += [
+            f"Sequence parallel {sp} (Ulysses) in every candidate: each sequence is split over {sp} processes, "
+            f"{result.devices // sp} data-parallel replica(s); ZeRO shards over all {result.devices} processes.",
+            "",
+        ]
     if rec.get("candidate"):
         lines += [
             f"**Recommended: `{rec['preset']}`** with activation_checkpointing `{rec['activation_checkpointing']}`"

@@ -21,6 +21,7 @@ from nlp_config import NLPConfig  # next to this script
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from common import sequence_parallel
 from common.accounting import predicted_model_state_bytes
 from common.activation import apply_activation_checkpointing
 from common.checkpoint import gather_full_state_dict, save_hf_model
@@ -34,6 +35,7 @@ from common.metrics import Clock, all_reduce, gpu_peak_flops, memory_kind, mfu, 
 from common.model_folder import check_weight_files
 from common.resume import ResumePoint, find_resume_point
 from common.rundir import env_info, read_metrics, wait_for_rank0_file, write_json_atomic, write_text_atomic
+from common.sequence_parallel import SequenceParallel
 from common.strategy import RunFacts, cosine_with_warmup, precision_of, resolve_deepspeed_config, zero_stage
 from nlp.data import DataError, LMData, build_lm_datasets, load_tokenizer
 from nlp.model import (
@@ -236,6 +238,12 @@ def check_pipeline_parallel(
             "inside deepspeed.initialize and is not wired into PipelineModule; use tensor_parallel on "
             "train_accelerate.py, or pipeline_parallel here, not both"
         )
+    if cfg.sequence_parallel > 1:
+        raise ConfigError(
+            f"sequence_parallel={cfg.sequence_parallel} with the pipeline engine is not supported here (Ulysses "
+            "replaces the attention of a transformers model, not of PipelineModule's layers); use sequence_parallel "
+            "on train.py or train_accelerate.py"
+        )
     if zero_stage(ds_config) >= 2:
         raise ConfigError(
             f"preset={cfg.preset} is ZeRO stage {zero_stage(ds_config)}: DeepSpeed's pipeline engine runs stage 0 or 1 "
@@ -273,6 +281,26 @@ def check_pipeline_parallel(
 
 # activation_checkpointing -> PipelineModule's activation_checkpoint_interval (layers per checkpointed run; 0: off)
 PIPELINE_CHECKPOINT_INTERVAL = {"none": 0, "full": 1, "every_k": 2}
+
+
+def check_sequence_parallel(cfg: NLPConfig, world_size: int, config: Any) -> None:
+    """Refuse a ``sequence_parallel`` the run cannot use, before any work (one ConfigError naming the fix)."""
+    if cfg.sequence_parallel == 1:
+        return
+    if cfg.moe:
+        raise ConfigError(
+            f"sequence_parallel={cfg.sequence_parallel} with the MoE model {cfg.model!r} is not supported here "
+            "(DeepSpeed's MoE layer routes whole sequences); use sequence_parallel=1"
+        )
+    sequence_parallel.check_sequence_parallel(
+        cfg.sequence_parallel,
+        world_size,
+        cfg.seq_len,
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        cfg.attention,
+        cfg.tensor_parallel,
+    )
 
 
 def check_expert_parallel(cfg: NLPConfig, world_size: int, config: Any, ds_config: dict[str, Any]) -> None:
@@ -331,20 +359,30 @@ def data_parallel(cfg: NLPConfig, rank: int, world_size: int) -> tuple[int, int]
     if cfg.pipeline_parallel > 1:
         dp_size = world_size // cfg.pipeline_parallel
         return rank % dp_size, dp_size
-    return rank // cfg.tensor_parallel, world_size // cfg.tensor_parallel
+    # Ulysses groups are consecutive ranks too (``parallel_state_sp``), never combined with tensor parallel here.
+    group = cfg.tensor_parallel * cfg.sequence_parallel
+    return rank // group, world_size // group
 
 
 def resume_point(cfg: NLPConfig, world_size: int) -> ResumePoint | None:
     """``resume=true``: the checkpoint to load (None for a new run), refused with a ConfigError when it cannot be.
 
     A different model or config (``tensor_parallel`` too) or no complete checkpoint is refused; another data-parallel
-    size goes through a universal checkpoint (ZeRO shards are one per data-parallel rank), except with tensor
-    parallelism, whose slices the conversion does not handle here.
+    size goes through a universal checkpoint (ZeRO shards are one per data-parallel rank, and per rank of a
+    sequence-parallel group), except with tensor parallelism, whose slices the conversion does not handle here, and
+    sequence parallelism, whose conversion is not tested.
     """
     if not cfg.resume:
         return None
-    dp_size = data_parallel(cfg, 0, world_size)[1]
+    # ZeRO partitions over the data-parallel ranks, and over the ranks of a sequence-parallel group as well.
+    dp_size = data_parallel(cfg, 0, world_size)[1] * cfg.sequence_parallel
     resume = find_resume_point(Path(cfg.out_dir), config_to_dict(cfg), dp_size)
+    if resume.universal and cfg.sequence_parallel > 1:
+        raise ConfigError(
+            f"resume with sequence_parallel={cfg.sequence_parallel} needs the world size the checkpoint was written "
+            f"with ({resume.saved_world_size} rank(s), now {dp_size}): a universal conversion of a sequence-parallel "
+            "run is not tested here"
+        )
     if resume.universal and cfg.tensor_parallel > 1:
         raise ConfigError(
             f"resume with tensor_parallel={cfg.tensor_parallel} needs the data-parallel size the checkpoint was "
@@ -361,9 +399,10 @@ def resume_point(cfg: NLPConfig, world_size: int) -> ResumePoint | None:
 
 
 def tokens_per_rank_step(cfg: NLPConfig) -> float:
-    """Tokens one rank trains on per optimizer step: the ranks of a tensor-parallel group or of a pipeline share their
-    replica's."""
-    return cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / (cfg.tensor_parallel * cfg.pipeline_parallel)
+    """Tokens one rank trains on per optimizer step: the ranks of a tensor- or sequence-parallel group or of a pipeline
+    share their replica's."""
+    sharing = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.sequence_parallel
+    return cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len / sharing
 
 
 def check_replica_batch(cfg: NLPConfig, input_ids: torch.Tensor) -> None:
@@ -485,10 +524,22 @@ def lr_lambda(cfg: NLPConfig) -> Any:
 
 
 def train_loss(
-    cfg: NLPConfig, model: Any, module: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
+    cfg: NLPConfig,
+    model: Any,
+    module: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    sp: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(loss to back-propagate, LM loss, MoE load-balancing loss or None): the MoE layers' auxiliary loss summed
-    over layers, weighted by ``moe_aux_loss_coef`` (``module``: the transformers model the engine wraps)."""
+    over layers, weighted by ``moe_aux_loss_coef`` (``module``: the transformers model the engine wraps).
+
+    Sequence parallel (``sp``): the forward runs on this rank's slice of every sequence; the LM loss returned is the
+    whole sequences' (the same on the group's ranks), the loss to back-propagate this rank's share of it.
+    """
+    if sp is not None:
+        total, loss = sequence_parallel.lm_loss(model, input_ids, labels, sp)
+        return total, loss, None
     loss = lm_loss(model, input_ids, labels)
     aux = aux_loss(module) if cfg.moe else None
     return (loss if aux is None else loss + cfg.moe_aux_loss_coef * aux), loss, aux
@@ -498,6 +549,14 @@ def lm_loss(model: Any, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.
     """Next-token cross entropy, in fp32 whatever the weights' dtype (labels are already shifted)."""
     logits = model(input_ids=input_ids, use_cache=False).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def grad_norm(engine: Any) -> float:
+    """The last optimizer step's gradient norm before clipping, as DeepSpeed computed it over every rank (NaN before
+    the first step). The same on every rank; sequence parallel: it checks the loss scaling (module docstring of
+    common/sequence_parallel.py), which the loss curve alone hides."""
+    norm = engine.get_global_grad_norm()
+    return math.nan if norm is None else float(norm)
 
 
 @torch.no_grad()
@@ -651,6 +710,7 @@ def describe(cfg: NLPConfig, pipeline_engine: bool = False) -> RecipeDescription
     check_pipeline_parallel(cfg, world_size, config, ds_config, pipeline_engine)
     check_tensor_parallel(cfg, world_size, config, ds_config)
     check_expert_parallel(cfg, world_size, config, ds_config)
+    check_sequence_parallel(cfg, world_size, config)
     return RecipeDescription(
         recipe="nlp",
         config=config_to_dict(cfg),

@@ -41,12 +41,14 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     check_mesh,
     check_pipeline_parallel,
     check_replica_batch,
+    check_sequence_parallel,
     check_tensor_parallel,
     data_parallel,
     describe,
     eval_batches,
     evaluate,
     finish,
+    grad_norm,
     held_param_elements,
     load_data,
     lr_lambda,
@@ -63,6 +65,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     write_run_files,
 )
 
+from common import sequence_parallel
 from common.accounting import model_state_bytes
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
@@ -78,7 +81,8 @@ from common.rundir import (
     set_cpu_threads,
     write_json_atomic,
 )
-from common.strategy import lightning_trainer_kwargs, make_optimizer, torch_dtype
+from common.sequence_parallel import SequenceParallel
+from common.strategy import lightning_trainer_kwargs, make_optimizer, torch_dtype, zero_stage
 from nlp.data import DataError, LMData
 from nlp.model import ModelError, resolve_attention
 
@@ -116,6 +120,7 @@ class CausalLM(L.LightningModule):
         self.model_states: dict[str, int] = {}  # measured after the first step
         self.val_loss = math.nan
         self.summary: NLPSummary | None = None
+        self.sp: SequenceParallel | None = None  # this rank's sequence-parallel group, once DeepSpeed has built it
 
     def configure_model(self) -> None:
         # Lightning runs this inside deepspeed.zero.Init under stage 3, and the strategy keeps an HfDeepSpeedConfig
@@ -125,6 +130,10 @@ class CausalLM(L.LightningModule):
             return
         self.model = build_model(self.cfg, self.model_config, self.attention, self.global_rank)  # MoE: its experts
         self.held_at_construction = held_param_elements(self.model)
+        if self.cfg.sequence_parallel > 1:  # Ulysses: attention rerouted, and the groups for deepspeed.initialize
+            self.trainer.strategy.mpu = sequence_parallel.register(
+                self.model, self.cfg.sequence_parallel, self.cfg.micro_batch_size, self.attention
+            )
         self.plan = memory_plan(
             self.model, self.ds_config, self.trainer.world_size, self.cfg.tensor_parallel, self.cfg.expert_parallel
         )
@@ -147,7 +156,7 @@ class CausalLM(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         if batch_idx == 0:
             check_replica_batch(self.cfg, batch["input_ids"])
-        total, loss, aux = train_loss(self.cfg, self.model, self.model, batch["input_ids"], batch["labels"])
+        total, loss, aux = train_loss(self.cfg, self.model, self.model, batch["input_ids"], batch["labels"], self.sp)
         self.losses.append(loss.detach())  # a tensor: reading it (.item(), the progress bar) would wait for the device
         if aux is not None:
             self.aux_losses.append(aux.detach())
@@ -158,6 +167,7 @@ class CausalLM(L.LightningModule):
         self.checkpointer = make_checkpointer(cfg, self.global_rank, self.trainer.world_size, strategy.barrier)
         self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
         check_mesh(cfg, self.global_rank, self.trainer.world_size)
+        self.sp = sequence_parallel.this_rank(cfg.sequence_parallel, zero_stage(self.ds_config))
         if cfg.tensor_parallel > 1:  # its check cannot read Lightning's batch dict: check_replica_batch instead
             strategy.deepspeed_engine.first_dataloader_check.remove()
         self.val_batches = eval_batches(self.data, cfg, *data_parallel(cfg, self.global_rank, self.trainer.world_size))
@@ -187,6 +197,7 @@ class CausalLM(L.LightningModule):
                 step,
                 train_loss=loss,
                 **moe,
+                grad_norm=grad_norm(self.trainer.strategy.deepspeed_engine),
                 lr=cfg.lr * lr_lambda(cfg)(step - 1),
                 tokens_per_s_per_device=tokens_per_s,
                 elapsed_s=self.clock.wall(),
@@ -254,6 +265,7 @@ def main() -> None:
     check_pipeline_parallel(cfg, world_size, config, ds_config, pipeline_engine=False)
     check_tensor_parallel(cfg, world_size, config, ds_config)
     check_expert_parallel(cfg, world_size, config, ds_config)
+    check_sequence_parallel(cfg, world_size, config)
     attention = resolve_attention(cfg.attention, "cuda" if on_gpu else "cpu", torch_dtype(cfg.precision))
     if rank0:
         prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)

@@ -33,12 +33,14 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     check_expert_parallel,
     check_mesh,
     check_pipeline_parallel,
+    check_sequence_parallel,
     check_tensor_parallel,
     data_parallel,
     describe,
     eval_batches,
     evaluate,
     finish,
+    grad_norm,
     held_param_elements,
     hidden_size,
     load_data,
@@ -57,6 +59,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
 )
 from tqdm.auto import tqdm
 
+from common import sequence_parallel
 from common.accounting import model_state_bytes
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
@@ -69,7 +72,7 @@ from common.resume import (
     with_universal_load,
 )
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
-from common.strategy import accelerator_kwargs, make_optimizer, torch_dtype
+from common.strategy import accelerator_kwargs, make_optimizer, torch_dtype, zero_stage
 from nlp.data import DataError
 from nlp.model import ModelError, resolve_attention
 
@@ -90,11 +93,19 @@ def main() -> None:
     check_pipeline_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config, pipeline_engine=False)
     check_tensor_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
     check_expert_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
+    check_sequence_parallel(cfg, world_size, model_config(cfg, tokenizer=None))
     # A different model or config, no complete checkpoint: refused; another data-parallel size: a universal checkpoint.
     resume = resume_point(cfg, world_size)
     start_step = resume.step if resume else 0
     load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
-    accelerator = Accelerator(**accelerator_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s)))
+    accelerator_args = accelerator_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s))
+    if cfg.sequence_parallel > 1:  # Ulysses: prepare() routes attention through it and gives DeepSpeed the groups
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        attention = resolve_attention(cfg.attention, device_type, torch_dtype(cfg.precision))
+        accelerator_args["parallelism_config"] = sequence_parallel.accelerate_parallelism(
+            cfg.sequence_parallel, attention, world_size
+        )
+    accelerator = Accelerator(**accelerator_args)
     rank, device, main_process = accelerator.process_index, accelerator.device, accelerator.is_main_process
     if cfg.devices not in (0, world_size) and main_process:
         print(f"note: devices={cfg.devices} is Lightning's; accelerate launched {world_size} process(es)")
@@ -128,6 +139,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, optimizer = accelerator.prepare(model, optimizer)
     check_mesh(cfg, rank, world_size)  # tensor/expert parallel: the groups data_parallel() and build_model assumed
+    sp = sequence_parallel.this_rank(cfg.sequence_parallel, zero_stage(ds_config))  # None unless sequence parallel
     accelerator.register_for_checkpointing(scheduler)
     checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
     checkpointer.install(engine)  # async_save: DeepSpeed's files go through it
@@ -165,7 +177,7 @@ def main() -> None:
         with accelerator.accumulate(engine):
             # MoE: the routers' load-balancing loss is added to the LM loss (and logged apart).
             total, loss, aux = train_loss(
-                cfg, engine, engine.module, batch["input_ids"].to(device), batch["labels"].to(device)
+                cfg, engine, engine.module, batch["input_ids"].to(device), batch["labels"].to(device), sp
             )
             accelerator.backward(total)  # DeepSpeed's backward, and its optimizer step at the accumulation boundary
             optimizer.step()
@@ -196,6 +208,7 @@ def main() -> None:
                 step,
                 train_loss=mean_loss,
                 **moe,
+                grad_norm=grad_norm(engine),
                 lr=cfg.lr * lr_lambda(cfg)(step - 1),
                 tokens_per_s_per_device=tokens_per_step / clock.median_step(),
                 elapsed_s=clock.wall(),

@@ -126,7 +126,14 @@ def test_every_shipped_config_loads_and_opens_with_launch_commands():
     rc = recipe_module("nlp_config")
     # finetune*.yaml belong to finetune.py (tests/recipes/test_finetune_recipe.py)
     names = sorted(p.name for p in (RECIPE / "configs").glob("*.yaml") if not p.name.startswith("finetune"))
-    assert names == ["llama_125m.yaml", "llama_1b.yaml", "llama_7b.yaml", "mixtral_8x7b.yaml", "tiny_cpu.yaml"]
+    assert names == [
+        "llama_125m.yaml",
+        "llama_1b.yaml",
+        "llama_7b.yaml",
+        "llama_8b_long.yaml",
+        "mixtral_8x7b.yaml",
+        "tiny_cpu.yaml",
+    ]
     assert rc.DEFAULT_CONFIG.name == "tiny_cpu.yaml"
     for name in names:
         path = RECIPE / "configs" / name

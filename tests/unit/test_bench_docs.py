@@ -41,6 +41,7 @@ RESULTS_BENCH = {
     "default_runs.json": "default_runs.py",
     "default_runs_cv.json": "default_runs.py",
     "parallelism.json": "parallelism.py",
+    "long_context.json": "long_context.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 

@@ -1,0 +1,160 @@
+"""``sequence_parallel=N`` in the NLP recipe (both entry points): DeepSpeed's Ulysses with ZeRO 1, 2 and 3.
+
+Each run is compared with one process training the same global batch (fp32): every step's loss and DeepSpeed's
+gradient norm within 1e-5 relative. The norm is what catches a wrong loss scale (Adam hides it from the loss: see
+common/sequence_parallel.py); it caught the Lightning entry point training without DeepSpeed's groups, with half the
+gradient and the reference's losses. Which runs (CI time): sequence parallel 2 on 2 processes under ZeRO 1 and 3
+(Accelerate) and 3 (Lightning); sequence parallel 2 x data parallel 2 on 4 processes under ZeRO 3 (Accelerate) and
+2 (Lightning, where a missing group shows: ZeRO-3 averages over every rank either way), against one process with
+twice the micro-batch. ZeRO 1, 2 and 3 at both layouts with SGD, on
+DeepSpeed's own engine: tests/distributed/test_sequence_parallel_grads.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+
+import pytest
+from _util import PYTHON, REPO, accelerate_launch, read_json, run, tiny_fp32_run, train_metric
+
+from common.errors import ConfigError
+
+RECIPE = REPO / "recipes" / "nlp"
+TRAIN = RECIPE / "train.py"
+TRAIN_ACCELERATE = RECIPE / "train_accelerate.py"
+TRAIN_PIPELINE = RECIPE / "train_pipeline.py"
+STEPS = 5  # the sequence-parallel runs; the references run 2 more, for the resumed run
+PRESET = {1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "deepspeed_stage_3"}
+
+
+def recipe_module(name: str):
+    """``nlp_config`` or ``pretraining``, imported as the scripts import them: from the recipe's folder."""
+    if str(RECIPE) not in sys.path:
+        sys.path.insert(0, str(RECIPE))
+    return importlib.import_module(name)
+
+
+def one_error(proc) -> str:
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return errors[0]
+
+
+# --- fast: the combinations refused before any work ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        (TRAIN_ACCELERATE, ["sequence_parallel=2", "devices=2", "seq_len=63"], "seq_len=63 is not divisible by"),
+        (TRAIN_ACCELERATE, ["sequence_parallel=3", "devices=3", "seq_len=66"], "num_attention_heads (4)"),
+        (TRAIN_ACCELERATE, ["sequence_parallel=2", "devices=2", "attention=eager"], "needs attention=sdpa"),
+        (TRAIN, ["sequence_parallel=2", "tensor_parallel=2", "devices=2"], "= 4 is more than the 2 rank(s)"),
+        (TRAIN_PIPELINE, ["sequence_parallel=2", "pipeline_parallel=2", "devices=2"], "with the pipeline engine"),
+    ],
+    ids=["seq_len", "heads", "eager", "sp_x_tp_over_world", "pipeline"],
+)
+def test_a_bad_sequence_parallel_is_one_clear_error(script, args, message):
+    # ZeRO 1: what tensor, pipeline and expert parallelism accept, so that the refusal is sequence parallel's.
+    error = one_error(run([PYTHON, script, "--describe", *args, "preset=deepspeed_stage_1"], timeout=300, check=False))
+    assert message in error, error
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"sequence_parallel": 2, "tensor_parallel": 2}, "use one of them"),
+        ({"sequence_parallel": 2, "model": "moe_tiny"}, "with the MoE model"),
+    ],
+    ids=["with_tp", "moe"],
+)
+def test_the_other_refusals_name_the_fix(args, message):
+    # In-process (each command-line case above costs a recipe start): the same check the entry points run.
+    config_module, pretraining = recipe_module("nlp_config"), recipe_module("pretraining")
+    NLPConfig, check_sequence_parallel, model_config = (
+        config_module.NLPConfig,
+        pretraining.check_sequence_parallel,
+        pretraining.model_config,
+    )
+    cfg = NLPConfig(**args)
+    with pytest.raises(ConfigError, match=message):
+        check_sequence_parallel(cfg, 4, model_config(cfg, tokenizer=None))
+    with pytest.raises(ConfigError, match="does not divide the 3 rank"):
+        check_sequence_parallel(NLPConfig(sequence_parallel=2), 3, model_config(NLPConfig(), tokenizer=None))
+
+
+# --- slow: every layout trains like one process --------------------------------------------------------
+
+# name: (entry point, processes, ZeRO stage, sequence_parallel, micro-batch size)
+RUNS = {
+    "reference_zero1": ("accelerate", 1, 1, 1, 2),
+    "reference_zero3": ("accelerate", 1, 3, 1, 2),
+    "reference_zero1_batch4": ("accelerate", 1, 1, 1, 4),
+    "reference_zero3_batch4": ("accelerate", 1, 3, 1, 4),
+    "accelerate_sp2_zero1": ("accelerate", 2, 1, 2, 2),
+    "accelerate_sp2_zero3": ("accelerate", 2, 3, 2, 2),
+    "lightning_sp2_zero3": ("lightning", 2, 3, 2, 2),
+    "accelerate_sp2_dp2_zero3": ("accelerate", 4, 3, 2, 2),
+    "lightning_sp2_dp2_zero2": ("lightning", 4, 2, 2, 2),
+}
+
+
+def reference_of(name: str) -> str:
+    """One process, the same global batch; ZeRO-3 builds the model inside zero.Init (other initial weights)."""
+    _, processes, stage, sp, micro = RUNS[name]
+    global_batch = processes // sp * micro
+    return f"reference_zero{3 if stage == 3 else 1}" + ("_batch4" if global_batch == 4 else "")
+
+
+def launch(name: str, out_dir, *extra: str) -> None:
+    entry, processes, stage, sp, micro = RUNS[name]
+    steps = STEPS if sp > 1 else STEPS + 2
+    args = [f"out_dir={out_dir}", *tiny_fp32_run(steps), f"preset={PRESET[stage]}", f"sequence_parallel={sp}"]
+    args += [f"micro_batch_size={micro}", *extra]
+    if entry == "accelerate":
+        accelerate_launch(TRAIN_ACCELERATE, args, RECIPE / "accelerate.yaml", num_processes=processes, timeout=600)
+    else:
+        run([PYTHON, TRAIN, f"devices={processes}", *args], timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sequence_parallel")
+    for name in RUNS:
+        launch(name, root / name)
+    # The same layout resumed from its step-STEPS checkpoint for 2 more steps.
+    launch("accelerate_sp2_zero3", root / "accelerate_sp2_zero3", "resume=true", f"max_steps={STEPS + 2}")
+    return root
+
+
+def assert_close(found: dict[int, float], expected: dict[int, float], what: str) -> None:
+    for step, value in found.items():
+        assert math.isclose(value, expected[step], rel_tol=1e-5), f"{what}, step {step}: {found} vs {expected}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name in RUNS if not name.startswith("reference")])
+def test_sequence_parallel_trains_like_one_process(runs, name):
+    out_dir, reference = runs / name, runs / reference_of(name)
+    losses = train_metric(out_dir, "train_loss")
+    steps = STEPS + 2 if name == "accelerate_sp2_zero3" else STEPS
+    assert sorted(losses) == list(range(1, steps + 1))
+    assert_close(losses, train_metric(reference, "train_loss"), f"{name} loss")
+    assert_close(train_metric(out_dir, "grad_norm"), train_metric(reference, "grad_norm"), f"{name} gradient norm")
+    assert losses[STEPS] != losses[1]  # it trained
+    summary = read_json(out_dir / "summary.json")
+    assert summary["export_check"]["ok"], summary["export_check"]
+    config = read_json(out_dir / "ds_config.json")
+    assert config["zero_optimization"]["stage"] == RUNS[name][2]
+
+
+@pytest.mark.slow
+def test_a_sequence_parallel_run_resumed_on_its_layout_continues_the_run(runs):
+    resumed = runs / "accelerate_sp2_zero3"
+    log = (resumed / "metrics.jsonl").read_text()
+    assert log.count('"step": 1,') == 1  # the resumed run appended steps 6-7, it did not start again
+    final = read_json(resumed / "summary.json")
+    reference = read_json(runs / "reference_zero3" / "summary.json")
+    assert math.isclose(final["val_loss"], reference["val_loss"], rel_tol=1e-5)
