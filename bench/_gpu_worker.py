@@ -56,7 +56,7 @@ def main() -> None:
     ends = [time.perf_counter()]
     for _ in range(variant["steps"]):
         ids = torch.randint(0, config.vocab_size, shape, generator=generator).to(device)
-        loss = lm_loss(engine, ids, torch.roll(ids, -1, dims=1))
+        loss = lm_loss(engine, ids, torch.roll(ids, -1, dims=1), tiled=cfg.tiled_loss_shards > 1)
         engine.backward(loss)
         engine.step()
         if on_gpu:

@@ -9,7 +9,8 @@ Variants (one fresh process each, bench/_gpu_worker.py): ZeRO stages 0-3, stage 
 stage 3, NVMe offload, ZenFlow and bf16 optimizer states (issue 17), each with the
 config's attention (``auto``: FlashAttention-2 when flash-attn is installed on a GPU, else SDPA) and its
 activation checkpointing (``selective`` in llama_1b.yaml); SDPA forced, to compare with FlashAttention-2;
-activation-checkpointing presets none / full / every_k. Reports tokens/s, MFU (PaLM's FLOPs count,
+activation-checkpointing presets none / full / every_k; a long sequence (``long_seq_len``) with and without
+the tiled MLP and loss (issue 21). Reports tokens/s, MFU (PaLM's FLOPs count,
 common/metrics.py) and peak allocated memory (peak RSS on a CPU). A variant that fails (out of memory,
 say) keeps its last error line; the whole run stops starting variants after --budget-s seconds so it
 finishes within 8 minutes. Results go to bench/results/gpu.json (gpu_cpu_mode.json with --cpu) through
@@ -37,12 +38,14 @@ GPU_RUN = {
     "overrides": ["micro_batch_size=4", "grad_accum=1"],
     "steps": 10,
     "warmup": 3,
+    "long_seq_len": 16384,
 }
 CPU_RUN = {
     "config": "recipes/nlp/configs/tiny_cpu.yaml",
     "overrides": ["micro_batch_size=2", "seq_len=64", "grad_accum=1", "activation_checkpointing=selective"],
     "steps": 5,
     "warmup": 2,
+    "long_seq_len": 256,
 }
 # name: (preset, extra overrides); the baseline is stage 0 (one GPU: nothing to shard, the fastest rung).
 VARIANTS: dict[str, tuple[str, list[str]]] = {
@@ -72,6 +75,13 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "ac_none": ("ddp", ["activation_checkpointing=none"]),
     "ac_full": ("ddp", ["activation_checkpointing=full"]),
     "ac_every_k": ("ddp", ["activation_checkpointing=every_k"]),
+    # Issue 21, one device: a long sequence (16K tokens on a GPU) with and without the tiled MLP and loss
+    # (common/tiling.py): the peak memory they save, and what the recomputation costs in tokens/s.
+    "long": ("deepspeed_stage_2", ["seq_len={long_seq_len}", "micro_batch_size=1"]),
+    "long_tiled": (
+        "deepspeed_stage_2",
+        ["seq_len={long_seq_len}", "micro_batch_size=1", "tiled_mlp_shards=8", "tiled_loss_shards=8"],
+    ),
 }
 GiB = 2**30
 
@@ -79,6 +89,7 @@ GiB = 2**30
 def run_variant(name: str, base: dict, tmp: Path) -> dict:
     preset, extra = VARIANTS[name]
     extra = [item.replace("{tmp}", str(tmp / name)) for item in extra]  # a folder of the variant's own
+    extra = [item.replace("{long_seq_len}", str(base["long_seq_len"])) for item in extra]
     variant = {**base, "name": name, "overrides": [*base["overrides"], f"preset={preset}", *extra]}
     out = tmp / f"{name}.json"
     started = time.perf_counter()

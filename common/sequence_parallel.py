@@ -136,17 +136,22 @@ def shard(tensor: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
 
 
 def lm_loss(
-    model: Any, input_ids: torch.Tensor, labels: torch.Tensor, sp: SequenceParallel
+    model: Any, input_ids: torch.Tensor, labels: torch.Tensor, sp: SequenceParallel, tiled: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss to back-propagate, the whole sequences' mean loss, detached) for next-token labels already shifted.
 
     The forward runs on this rank's slice with its positions in the whole sequence (Ulysses gathers them for the
-    causal mask); the second value is the same on every rank of the group.
+    causal mask); the second value is the same on every rank of the group. ``tiled``: the model computes the summed
+    loss itself, a slice of the logits at a time (:func:`common.tiling.tile_loss`).
     """
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    logits = model(input_ids=shard(input_ids, sp), position_ids=shard(positions, sp), use_cache=False).logits
+    inputs = {"input_ids": shard(input_ids, sp), "position_ids": shard(positions, sp), "use_cache": False}
     local = shard(labels, sp)
-    summed = F.cross_entropy(logits.float().flatten(0, 1), local.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    if tiled:
+        summed = model(**inputs, token_loss_labels=local)
+    else:
+        logits = model(**inputs).logits.float()
+        summed = F.cross_entropy(logits.flatten(0, 1), local.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     totals = torch.stack([summed.detach(), (local != IGNORE_INDEX).sum().to(summed.dtype)])
     torch.distributed.all_reduce(totals, group=sp.group)  # not autograd's: see the module docstring
     count = totals[1].clamp(min=1)

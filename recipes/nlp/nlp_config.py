@@ -55,6 +55,8 @@ class NLPConfig:
     pipeline_micro_batches: int = 0  # micro-batches in flight per step (train_pipeline.py; 0: grad_accum's)
     expert_parallel: int = 1  # MoE models: ranks that split each MoE layer's experts (ZeRO 1-2); all-to-all per layer
     sequence_parallel: int = 1  # Ulysses: ranks that split every sequence (ZeRO 1-3; not eager); DP = world / it
+    tiled_mlp_shards: int = 1  # MLP computed this many slices of the sequence at a time, recomputed in backward
+    tiled_loss_shards: int = 1  # logits + loss computed this many slices at a time: never all logits at once
     activation_checkpointing: str = "none"  # none|full|every_k|selective|save_memory_optimized
     gradient_clipping: float = 1.0  # max gradient norm, 0 = off
     nvme_path: str = ""  # local NVMe folder the *_offload_nvme presets swap to ("": none)
@@ -92,7 +94,7 @@ class NLPConfig:
     def __post_init__(self) -> None:
         positive = "max_steps num_nodes micro_batch_size grad_accum seq_len vocab_size eval_interval log_interval"
         positive += " checkpoint_interval collective_timeout_s tensor_parallel pipeline_parallel expert_parallel"
-        positive += " sequence_parallel"
+        positive += " sequence_parallel tiled_mlp_shards tiled_loss_shards"
         for name in positive.split():
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -21,7 +21,7 @@ from nlp_config import NLPConfig  # next to this script
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from common import sequence_parallel
+from common import sequence_parallel, tiling
 from common.accounting import predicted_model_state_bytes
 from common.activation import apply_activation_checkpointing
 from common.checkpoint import gather_full_state_dict, save_hf_model
@@ -243,6 +243,11 @@ def check_pipeline_parallel(
             f"sequence_parallel={cfg.sequence_parallel} with the pipeline engine is not supported here (Ulysses "
             "replaces the attention of a transformers model, not of PipelineModule's layers); use sequence_parallel "
             "on train.py or train_accelerate.py"
+        )
+    if cfg.tiled_mlp_shards > 1 or cfg.tiled_loss_shards > 1:
+        raise ConfigError(
+            "tiled_mlp_shards / tiled_loss_shards with the pipeline engine are not supported here (the pipeline's "
+            "last stage computes the loss itself); use them on train.py or train_accelerate.py"
         )
     if zero_stage(ds_config) >= 2:
         raise ConfigError(
@@ -484,6 +489,9 @@ def build_model(cfg: NLPConfig, config: Any, attention: str, rank: int = 0) -> A
             model, cfg.activation_checkpointing, block_classes=[block] if block else None
         )
         print(report.summary())
+    tiling.tile_mlp(model, cfg.tiled_mlp_shards)
+    if cfg.tiled_loss_shards > 1:
+        tiling.tile_loss(model, cfg.tiled_loss_shards)
     return model
 
 
@@ -537,16 +545,21 @@ def train_loss(
     Sequence parallel (``sp``): the forward runs on this rank's slice of every sequence; the LM loss returned is the
     whole sequences' (the same on the group's ranks), the loss to back-propagate this rank's share of it.
     """
+    tiled = cfg.tiled_loss_shards > 1
     if sp is not None:
-        total, loss = sequence_parallel.lm_loss(model, input_ids, labels, sp)
+        total, loss = sequence_parallel.lm_loss(model, input_ids, labels, sp, tiled)
         return total, loss, None
-    loss = lm_loss(model, input_ids, labels)
+    loss = lm_loss(model, input_ids, labels, tiled)
     aux = aux_loss(module) if cfg.moe else None
     return (loss if aux is None else loss + cfg.moe_aux_loss_coef * aux), loss, aux
 
 
-def lm_loss(model: Any, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy, in fp32 whatever the weights' dtype (labels are already shifted)."""
+def lm_loss(model: Any, input_ids: torch.Tensor, labels: torch.Tensor, tiled: bool = False) -> torch.Tensor:
+    """Next-token cross entropy, in fp32 whatever the weights' dtype (labels are already shifted).
+
+    ``tiled``: the model computes it a slice of the sequence at a time and returns the sum (common/tiling.py)."""
+    if tiled:
+        return model(input_ids=input_ids, use_cache=False, token_loss_labels=labels) / labels.numel()
     logits = model(input_ids=input_ids, use_cache=False).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
@@ -693,6 +706,16 @@ def measured_text(measured: dict[str, int]) -> str:
 # --- what --describe prints ----------------------------------------------------------------------
 
 
+def check_tiling(cfg: NLPConfig, config: Any) -> None:
+    """Refuse a tiled MLP or loss the run cannot use, before any work (common/tiling.py)."""
+    if cfg.moe and (cfg.tiled_mlp_shards > 1 or cfg.tiled_loss_shards > 1):
+        raise ConfigError(
+            f"tiled_mlp_shards / tiled_loss_shards with the MoE model {cfg.model!r} are not supported here "
+            "(DeepSpeed's MoE layer routes whole sequences); use 1"
+        )
+    tiling.check_tiling(cfg.tiled_mlp_shards, cfg.tiled_loss_shards, getattr(config, "tie_word_embeddings", False))
+
+
 def describe(cfg: NLPConfig, pipeline_engine: bool = False) -> RecipeDescription:
     """The run as the planning tools see it: reads the model's config only (no corpus, no weights), writes nothing.
 
@@ -711,6 +734,7 @@ def describe(cfg: NLPConfig, pipeline_engine: bool = False) -> RecipeDescription
     check_tensor_parallel(cfg, world_size, config, ds_config)
     check_expert_parallel(cfg, world_size, config, ds_config)
     check_sequence_parallel(cfg, world_size, config)
+    check_tiling(cfg, config)
     return RecipeDescription(
         recipe="nlp",
         config=config_to_dict(cfg),

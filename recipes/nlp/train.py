@@ -43,6 +43,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     check_replica_batch,
     check_sequence_parallel,
     check_tensor_parallel,
+    check_tiling,
     data_parallel,
     describe,
     eval_batches,
@@ -266,6 +267,7 @@ def main() -> None:
     check_tensor_parallel(cfg, world_size, config, ds_config)
     check_expert_parallel(cfg, world_size, config, ds_config)
     check_sequence_parallel(cfg, world_size, config)
+    check_tiling(cfg, config)
     attention = resolve_attention(cfg.attention, "cuda" if on_gpu else "cpu", torch_dtype(cfg.precision))
     if rank0:
         prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)

@@ -35,6 +35,7 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     check_pipeline_parallel,
     check_sequence_parallel,
     check_tensor_parallel,
+    check_tiling,
     data_parallel,
     describe,
     eval_batches,
@@ -94,6 +95,7 @@ def main() -> None:
     check_tensor_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
     check_expert_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
     check_sequence_parallel(cfg, world_size, model_config(cfg, tokenizer=None))
+    check_tiling(cfg, model_config(cfg, tokenizer=None))
     # A different model or config, no complete checkpoint: refused; another data-parallel size: a universal checkpoint.
     resume = resume_point(cfg, world_size)
     start_step = resume.step if resume else 0

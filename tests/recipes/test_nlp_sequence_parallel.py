@@ -6,8 +6,9 @@ common/sequence_parallel.py); it caught the Lightning entry point training witho
 gradient and the reference's losses. Which runs (CI time): sequence parallel 2 on 2 processes under ZeRO 1 and 3
 (Accelerate) and 3 (Lightning); sequence parallel 2 x data parallel 2 on 4 processes under ZeRO 3 (Accelerate) and
 2 (Lightning, where a missing group shows: ZeRO-3 averages over every rank either way), against one process with
-twice the micro-batch. ZeRO 1, 2 and 3 at both layouts with SGD, on
-DeepSpeed's own engine: tests/distributed/test_sequence_parallel_grads.py.
+twice the micro-batch. Two of them (Accelerate ZeRO 3, Lightning ZeRO 2) also tile the MLP and the loss
+(common/tiling.py). ZeRO 1, 2 and 3 at both layouts with SGD, on DeepSpeed's own engine:
+tests/distributed/test_sequence_parallel_grads.py.
 """
 
 from __future__ import annotations
@@ -85,34 +86,51 @@ def test_the_other_refusals_name_the_fix(args, message):
         check_sequence_parallel(NLPConfig(sequence_parallel=2), 3, model_config(NLPConfig(), tokenizer=None))
 
 
+def test_a_tiling_the_recipe_cannot_use_is_refused():
+    NLPConfig, pretraining = recipe_module("nlp_config").NLPConfig, recipe_module("pretraining")
+    with pytest.raises(ConfigError, match="tiled_loss_shards must be >= 1"):
+        NLPConfig(tiled_loss_shards=0)
+    moe = NLPConfig(model="moe_tiny", tiled_mlp_shards=2)
+    with pytest.raises(ConfigError, match="with the MoE model"):
+        pretraining.check_tiling(moe, pretraining.model_config(moe, tokenizer=None))
+    pipeline = NLPConfig(pipeline_parallel=2, devices=2, preset="deepspeed_stage_1", tiled_loss_shards=2)
+    with pytest.raises(ConfigError, match="with the pipeline engine are not supported"):
+        pretraining.describe(pipeline, pipeline_engine=True)
+    # A tied output layer (tiling.check_tiling) and the tiling itself: tests/unit/test_tiling.py.
+
+
 # --- slow: every layout trains like one process --------------------------------------------------------
 
-# name: (entry point, processes, ZeRO stage, sequence_parallel, micro-batch size)
+# name: (entry point, processes, ZeRO stage, sequence_parallel, micro-batch size, tiled): tiled runs compute the MLP
+# in 3 slices and the loss in 4 (uneven: 32 tokens per rank), on both backends, under ZeRO 2 and 3 (DeepSpeed's
+# "not reduced before the last slice" flag, ds_grad_is_ready, is read by both optimizers).
 RUNS = {
-    "reference_zero1": ("accelerate", 1, 1, 1, 2),
-    "reference_zero3": ("accelerate", 1, 3, 1, 2),
-    "reference_zero1_batch4": ("accelerate", 1, 1, 1, 4),
-    "reference_zero3_batch4": ("accelerate", 1, 3, 1, 4),
-    "accelerate_sp2_zero1": ("accelerate", 2, 1, 2, 2),
-    "accelerate_sp2_zero3": ("accelerate", 2, 3, 2, 2),
-    "lightning_sp2_zero3": ("lightning", 2, 3, 2, 2),
-    "accelerate_sp2_dp2_zero3": ("accelerate", 4, 3, 2, 2),
-    "lightning_sp2_dp2_zero2": ("lightning", 4, 2, 2, 2),
+    "reference_zero1": ("accelerate", 1, 1, 1, 2, False),
+    "reference_zero3": ("accelerate", 1, 3, 1, 2, False),
+    "reference_zero1_batch4": ("accelerate", 1, 1, 1, 4, False),
+    "reference_zero3_batch4": ("accelerate", 1, 3, 1, 4, False),
+    "accelerate_sp2_zero1": ("accelerate", 2, 1, 2, 2, False),
+    "accelerate_sp2_zero3_tiled": ("accelerate", 2, 3, 2, 2, True),
+    "lightning_sp2_zero3": ("lightning", 2, 3, 2, 2, False),
+    "accelerate_sp2_dp2_zero3": ("accelerate", 4, 3, 2, 2, False),
+    "lightning_sp2_dp2_zero2_tiled": ("lightning", 4, 2, 2, 2, True),
 }
+TILED = ["tiled_mlp_shards=3", "tiled_loss_shards=4"]
+RESUMED = "accelerate_sp2_zero3_tiled"
 
 
 def reference_of(name: str) -> str:
     """One process, the same global batch; ZeRO-3 builds the model inside zero.Init (other initial weights)."""
-    _, processes, stage, sp, micro = RUNS[name]
+    _, processes, stage, sp, micro, _ = RUNS[name]
     global_batch = processes // sp * micro
     return f"reference_zero{3 if stage == 3 else 1}" + ("_batch4" if global_batch == 4 else "")
 
 
 def launch(name: str, out_dir, *extra: str) -> None:
-    entry, processes, stage, sp, micro = RUNS[name]
+    entry, processes, stage, sp, micro, tiled = RUNS[name]
     steps = STEPS if sp > 1 else STEPS + 2
     args = [f"out_dir={out_dir}", *tiny_fp32_run(steps), f"preset={PRESET[stage]}", f"sequence_parallel={sp}"]
-    args += [f"micro_batch_size={micro}", *extra]
+    args += [f"micro_batch_size={micro}", *(TILED if tiled else []), *extra]
     if entry == "accelerate":
         accelerate_launch(TRAIN_ACCELERATE, args, RECIPE / "accelerate.yaml", num_processes=processes, timeout=600)
     else:
@@ -125,7 +143,7 @@ def runs(tmp_path_factory):
     for name in RUNS:
         launch(name, root / name)
     # The same layout resumed from its step-STEPS checkpoint for 2 more steps.
-    launch("accelerate_sp2_zero3", root / "accelerate_sp2_zero3", "resume=true", f"max_steps={STEPS + 2}")
+    launch(RESUMED, root / RESUMED, "resume=true", f"max_steps={STEPS + 2}")
     return root
 
 
@@ -139,7 +157,7 @@ def assert_close(found: dict[int, float], expected: dict[int, float], what: str)
 def test_sequence_parallel_trains_like_one_process(runs, name):
     out_dir, reference = runs / name, runs / reference_of(name)
     losses = train_metric(out_dir, "train_loss")
-    steps = STEPS + 2 if name == "accelerate_sp2_zero3" else STEPS
+    steps = STEPS + 2 if name == RESUMED else STEPS
     assert sorted(losses) == list(range(1, steps + 1))
     assert_close(losses, train_metric(reference, "train_loss"), f"{name} loss")
     assert_close(train_metric(out_dir, "grad_norm"), train_metric(reference, "grad_norm"), f"{name} gradient norm")
@@ -152,7 +170,7 @@ def test_sequence_parallel_trains_like_one_process(runs, name):
 
 @pytest.mark.slow
 def test_a_sequence_parallel_run_resumed_on_its_layout_continues_the_run(runs):
-    resumed = runs / "accelerate_sp2_zero3"
+    resumed = runs / RESUMED
     log = (resumed / "metrics.jsonl").read_text()
     assert log.count('"step": 1,') == 1  # the resumed run appended steps 6-7, it did not start again
     final = read_json(resumed / "summary.json")
