@@ -3,14 +3,17 @@
     python -m torch.distributed.run --nproc_per_node 1 bench/_gpu_worker.py --variant '{"name": ...}' --out OUT.json
 
 Uses the recipe's own setup functions (recipes/nlp/pretraining.py): the config file and overrides, the
-model built by ``build_model`` (activation checkpointing applied the recipe's way), the DeepSpeed dict
-from ``resolve_ds_config`` and the loss ``lm_loss``; tokens are random (throughput does not depend on them).
+model built by ``build_model`` (activation checkpointing and tiling applied the recipe's way), the DeepSpeed
+dict from ``resolve_ds_config``, the loss ``lm_loss`` and the checkpoint offload around each forward and
+backward pass; tokens are random (throughput does not depend on them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +26,8 @@ sys.path.insert(0, str(REPO / "recipes" / "nlp"))
 from nlp_config import NLPConfig  # noqa: E402
 from pretraining import build_model, hidden_size, lm_loss, model_config, resolve_ds_config  # noqa: E402
 
+from common import sequence_parallel  # noqa: E402
+from common.activation import checkpoint_offload  # noqa: E402
 from common.config import load_config  # noqa: E402
 from common.metrics import gpu_peak_flops, median, mfu, peak_memory_bytes  # noqa: E402
 from nlp.model import flops_per_token, resolve_attention  # noqa: E402
@@ -37,33 +42,50 @@ def main() -> None:
     variant = json.loads(parser.parse_args().variant)
     out = Path(parser.parse_args().out)
     on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
-    if not on_gpu:
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    else:
         torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     cfg = load_config(NLPConfig, variant["config"], variant["overrides"])
     config = model_config(cfg, tokenizer=None)
     attention = resolve_attention(cfg.attention, device.type, torch.bfloat16)
-    ds_config = resolve_ds_config(cfg, world_size=1, hidden_size=hidden_size(cfg))
+    ds_config = resolve_ds_config(cfg, world_size=world_size, hidden_size=hidden_size(cfg))
     with torch.device(device):  # create the weights where they train: a 1B model initialises in seconds on a GPU
         model = build_model(cfg, config, attention)
     from common.strategy import make_optimizer
 
+    # Sequence parallel (2 processes): Ulysses and its groups, the recipe's loss (common/sequence_parallel.py).
+    mpu = None
+    if cfg.sequence_parallel > 1:
+        mpu = sequence_parallel.register(model, cfg.sequence_parallel, cfg.micro_batch_size, attention)
+        ds_config.pop("train_batch_size", None)  # DeepSpeed derives it over the data-parallel ranks (world / N)
     optimizer = make_optimizer(model.parameters(), ds_config, lr=cfg.lr)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=mpu)
+    sp = sequence_parallel.this_rank(cfg.sequence_parallel, ds_config["zero_optimization"]["stage"])
+    tiled = cfg.tiled_loss_shards > 1
     generator = torch.Generator().manual_seed(0)
     shape = (cfg.micro_batch_size, cfg.seq_len)
     ends = [time.perf_counter()]
+    offload = checkpoint_offload() if cfg.offload_checkpoints else contextlib.nullcontext()
     for _ in range(variant["steps"]):
         ids = torch.randint(0, config.vocab_size, shape, generator=generator).to(device)
-        loss = lm_loss(engine, ids, torch.roll(ids, -1, dims=1), tiled=cfg.tiled_loss_shards > 1)
-        engine.backward(loss)
+        with offload:  # around the forward and the backward pass, as in the recipe
+            labels = torch.roll(ids, -1, dims=1)
+            if sp is None:
+                loss = lm_loss(engine, ids, labels, tiled=tiled)
+            else:  # the same sequences on every rank (one seed), each its slice
+                loss, _ = sequence_parallel.lm_loss(engine, ids, labels, sp, tiled)
+            engine.backward(loss)
         engine.step()
         if on_gpu:
             torch.cuda.synchronize()
         ends.append(time.perf_counter())
     step_s = median([b - a for a, b in zip(ends, ends[1:])][variant["warmup"] :])
-    tokens_per_s = cfg.micro_batch_size * cfg.seq_len / step_s
+    # Per device: a sequence-parallel group of N devices trains one batch, each device 1/N of its tokens.
+    tokens_per_s = cfg.micro_batch_size * cfg.seq_len / cfg.sequence_parallel / step_s
     peak_flops = gpu_peak_flops()
     result = {
         **variant,
@@ -78,8 +100,10 @@ def main() -> None:
         "peak_memory_bytes": peak_memory_bytes(),
         "memory_kind": "gpu_max_allocated" if on_gpu else "cpu_peak_rss",
         "final_loss": float(loss.detach().float()),
+        "checkpoint_offload_bytes": offload.stats.offloaded_bytes if cfg.offload_checkpoints else None,
     }
-    out.write_text(json.dumps(result))
+    if rank == 0:  # peak memory: rank 0's (every rank holds the same share)
+        out.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

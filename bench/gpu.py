@@ -10,7 +10,7 @@ stage 3, NVMe offload, ZenFlow and bf16 optimizer states (issue 17), each with t
 config's attention (``auto``: FlashAttention-2 when flash-attn is installed on a GPU, else SDPA) and its
 activation checkpointing (``selective`` in llama_1b.yaml); SDPA forced, to compare with FlashAttention-2;
 activation-checkpointing presets none / full / every_k; a long sequence (``long_seq_len``) with and without
-the tiled MLP and loss (issue 21). Reports tokens/s, MFU (PaLM's FLOPs count,
+the tiled MLP and loss, and with checkpoint offload (issue 21). Reports tokens/s, MFU (PaLM's FLOPs count,
 common/metrics.py) and peak allocated memory (peak RSS on a CPU). A variant that fails (out of memory,
 say) keeps its last error line; the whole run stops starting variants after --budget-s seconds so it
 finishes within 8 minutes. Results go to bench/results/gpu.json (gpu_cpu_mode.json with --cpu) through
@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
@@ -82,7 +84,22 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
         "deepspeed_stage_2",
         ["seq_len={long_seq_len}", "micro_batch_size=1", "tiled_mlp_shards=8", "tiled_loss_shards=8"],
     ),
+    # ... split over 2 devices by Ulysses sequence parallelism (peak memory per device; needs 2 GPUs) ...
+    "long_sp2": ("deepspeed_stage_2", ["seq_len={long_seq_len}", "micro_batch_size=1", "sequence_parallel=2"]),
+    # ... and every layer checkpointed with its input offloaded to host memory (DeepSpeed's side-stream offload).
+    "long_tiled_offload": (
+        "deepspeed_stage_2",
+        [
+            "seq_len={long_seq_len}",
+            "micro_batch_size=1",
+            "tiled_mlp_shards=8",
+            "tiled_loss_shards=8",
+            "activation_checkpointing=full",
+            "offload_checkpoints=true",
+        ],
+    ),
 }
+PROCESSES = {"long_sp2": 2}  # one process (device) unless named here
 GiB = 2**30
 
 
@@ -99,7 +116,7 @@ def run_variant(name: str, base: dict, tmp: Path) -> dict:
             "raw",
             preset,
             ["--variant", json.dumps(variant), "--out", str(out)],
-            nproc=1,
+            nproc=PROCESSES.get(name, 1),
             timeout=240,
         )
     except (RuntimeError, OSError) as err:
@@ -186,6 +203,10 @@ def main() -> None:
         for name in names:
             if time.perf_counter() - started > args.budget_s:
                 variants.append({"name": name, "error": f"not started: past the {args.budget_s:.0f} s budget"})
+                continue
+            devices = PROCESSES.get(name, 1)
+            if not args.cpu and torch.cuda.device_count() < devices:
+                variants.append({"name": name, "error": f"not run: needs {devices} GPUs, this machine has fewer"})
                 continue
             variants.append(run_variant(name, base, Path(tmp)))
             r = variants[-1]

@@ -271,3 +271,36 @@ def saved_activation_bytes(
         end_of_forward = counter.live_bytes
         loss.backward()
     return {"end_of_forward": end_of_forward, "peak": counter.peak_bytes}
+
+
+def enable_offloadable_checkpointing(model: torch.nn.Module) -> None:
+    """Checkpoint every decoder layer with transformers' own gradient checkpointing (reentrant, as the presets),
+    the form DeepSpeed's activation-checkpoint offload recognises (:func:`checkpoint_offload`)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(
+            f"offload_checkpoints needs a transformers model with gradient checkpointing; {type(model).__name__} "
+            "has none: use offload_checkpoints=false"
+        )
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+def checkpoint_offload() -> Any:
+    """DeepSpeed's activation-checkpoint offload (``CheckpointHiddenStatesOffload``, 0.19.8): entered around one
+    micro-batch's forward *and* backward pass, it copies each checkpointed layer input (transformers' gradient
+    checkpointing, :func:`enable_offloadable_checkpointing`) to pinned host memory on a side stream and back for the
+    recomputation, so the device keeps about one layer input instead of one per layer. On a device without streams
+    (a CPU) it moves nothing and only marks the inputs; its ``stats`` say which (reset at every entry)."""
+    from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+
+    return CheckpointHiddenStatesOffload()
+
+
+def offload_text(stats: Any) -> str:
+    """One line on what :func:`checkpoint_offload` did in the last micro-batch."""
+    moved = f"{stats.offloaded_tensors} moved to host ({stats.offloaded_bytes:,} B)"
+    if stats.marked_tensors and not stats.offloaded_tensors:
+        moved += ": nothing is offloaded from a device that is host memory already (CPU)"
+    return f"checkpoint offload: {stats.marked_tensors} layer inputs marked per micro-batch, {moved}"

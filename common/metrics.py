@@ -113,3 +113,11 @@ def all_reduce(tensor: Any, op: str = "sum") -> Any:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return tensor
+
+
+def grad_norm(engine: Any) -> float:
+    """The last optimizer step's gradient norm before clipping, as DeepSpeed computed it over every rank (NaN before
+    the first step). The same on every rank; sequence parallel: it checks the loss scaling (module docstring of
+    common/sequence_parallel.py), which the loss curve alone hides."""
+    norm = engine.get_global_grad_norm()
+    return math.nan if norm is None else float(norm)

@@ -113,6 +113,18 @@ def register(model: Any, size: int, micro_batch_size: int, attention: str) -> An
     )
 
 
+def unregister(attention: str) -> None:
+    """Give ``attention`` back transformers' own function, after training.
+
+    ``register_with_transformers`` replaces it process-wide with Ulysses' wrapper, which drops every attention mask,
+    in eval mode too: a batched generate from left-padded prompts (the fine-tuning export's exact match) would attend
+    to the padding.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    ALL_ATTENTION_FUNCTIONS[attention] = AttentionInterface()[attention]  # a fresh interface: the library's mapping
+
+
 def this_rank(size: int, zero_stage: int) -> SequenceParallel | None:
     """After ``deepspeed.initialize``: this rank's group (None without sequence parallelism)."""
     if size == 1:

@@ -6,6 +6,7 @@ Launch, from the repository root:
     python recipes/nlp/finetune.py              # CPU: 2 processes, under 5 min
     python recipes/nlp/finetune.py model=path/to/hf_folder data=my_data.jsonl devices=1   # 1 GPU
     python recipes/nlp/finetune.py model=path/to/hf_folder data=my_data.jsonl devices=8   # 8 GPUs
+    python recipes/nlp/finetune.py devices=2 sequence_parallel=2 preset=deepspeed_stage_2  # each example split in 2
     # multi-node: the same command on every node, with num_nodes=N and MASTER_ADDR, MASTER_PORT, NODE_RANK set
     accelerate launch --config_file recipes/nlp/accelerate_finetune.yaml recipes/nlp/finetune_accelerate.py  # same
 
@@ -18,8 +19,10 @@ is sharded across ranks and so are the adapters; checkpoints hold the adapters a
 
 The run directory ends with config.yaml, ds_config.json, env.json, metrics.jsonl, tb/, checkpoints/, adapter/
 (``adapter_config.json``, ``adapter_model.safetensors``), merged/ (Hugging Face format) and summary.json
-(``val_accuracy`` vs ``base_val_accuracy``). ``resume=true`` continues from checkpoints/latest. ``--describe`` prints
-what the planning tools need (base model counted from its config.json, DeepSpeed dict) as JSON and trains nothing.
+(``val_accuracy`` vs ``base_val_accuracy``). ``resume=true`` continues from checkpoints/latest.
+``sequence_parallel=N``: DeepSpeed's Ulysses splits every sequence over N ranks, which read the same examples
+(docs/finetune.md). ``--describe`` prints what the planning tools need (base model counted from its config.json,
+DeepSpeed dict) as JSON and trains nothing.
 
 The keys are in ``finetune_config.py``; the model (``build_lora_model``), data, loss, exact match and export are in
 ``finetuning.py``, shared with ``finetune_accelerate.py``.
@@ -41,6 +44,8 @@ from finetuning import (
     base_module_names,
     batch_logits,
     build_lora_model,
+    check_sequence_parallel,
+    data_parallel,
     describe,
     evaluate,
     final_export,
@@ -55,12 +60,13 @@ from finetuning import (
     resolve_ds_config,
     score,
     sft_loader,
-    sft_loss,
+    train_loss,
     val_batches,
     write_run_files,
     write_summary,
 )
 
+from common import sequence_parallel
 from common.accounting import model_state_bytes
 from common.async_checkpoint import make_checkpointer
 from common.checkpoint import (
@@ -73,7 +79,7 @@ from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
 from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
-from common.metrics import Clock, all_reduce
+from common.metrics import Clock, all_reduce, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
 from common.rundir import (
     MetricsLog,
@@ -82,7 +88,8 @@ from common.rundir import (
     refuse_existing_out_dir,
     set_cpu_threads,
 )
-from common.strategy import lightning_trainer_kwargs, make_optimizer
+from common.sequence_parallel import SequenceParallel
+from common.strategy import lightning_trainer_kwargs, make_optimizer, zero_stage
 from nlp.data import DataError
 from nlp.lora import trainable_parameter_shapes
 from nlp.model import ModelError
@@ -120,15 +127,21 @@ class LoRAFinetune(L.LightningModule):
         self.val_loss = float("nan")
         self.state_bytes: dict[str, int] = {}  # model states measured after the first step
         self.summary: FinetuneSummary | None = None  # set on rank 0 in on_train_end; main() writes it
+        self.sp: SequenceParallel | None = None  # this rank's sequence-parallel group, once DeepSpeed has built it
 
     def configure_model(self) -> None:
         # Lightning runs this inside deepspeed.zero.Init under stage 3, and the strategy keeps an HfDeepSpeedConfig
         # alive (common/lightning_cpu.py): from_pretrained loads each base weight already sharded.
         if self.model is None:
             self.model = build_lora_model(self.cfg, self.attention, self.module_names)
+            if self.cfg.sequence_parallel > 1:  # Ulysses: attention rerouted, and the groups for deepspeed.initialize
+                self.trainer.strategy.mpu = sequence_parallel.register(
+                    self.model, self.cfg.sequence_parallel, self.cfg.micro_batch_size, self.attention
+                )
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return sft_loader(self.data, self.cfg, self.global_rank, self.trainer.world_size, self.start_step, True)
+        dp_rank, dp_size = data_parallel(self.cfg, self.global_rank, self.trainer.world_size)
+        return sft_loader(self.data, self.cfg, dp_rank, dp_size, self.start_step, True)
 
     def configure_optimizers(self):
         groups = lora_param_groups(self.model, self.cfg.weight_decay)
@@ -137,14 +150,16 @@ class LoRAFinetune(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = sft_loss(self.model, batch, self.device)
-        self.losses.append(loss.detach())
-        return loss
+        total, loss = train_loss(self.model, batch, self.device, self.sp)
+        self.losses.append(loss)  # detached: reading it (.item()) would wait for the device
+        return total
 
     def on_train_start(self) -> None:
         cfg, strategy = self.cfg, self.trainer.strategy
         self.checkpointer = make_checkpointer(cfg, self.global_rank, self.trainer.world_size, strategy.barrier)
         self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
+        self.sp = sequence_parallel.this_rank(cfg.sequence_parallel, zero_stage(self.ds_config))
+        # Held-out batches are whole sequences on every rank (Ulysses is off in eval mode): split over all ranks.
         self.val_batches = val_batches(self.data, self.cfg, self.global_rank, self.trainer.world_size)
         if self.start_step == 0:
             self.evaluate(0)
@@ -162,7 +177,13 @@ class LoRAFinetune(L.LightningModule):
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
             loss = all_reduce(step_loss).item() / self.trainer.world_size
-            self.log_file.log(step, train_loss=loss, lr=cfg.lr * lr_lambda(cfg)(step - 1), elapsed_s=self.clock.wall())
+            self.log_file.log(
+                step,
+                train_loss=loss,
+                grad_norm=grad_norm(self.trainer.strategy.deepspeed_engine),
+                lr=cfg.lr * lr_lambda(cfg)(step - 1),
+                elapsed_s=self.clock.wall(),
+            )
             self.print(f"step {step}: train_loss {loss:.4f} ({self.clock.wall():.0f} s)")
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
             self.evaluate(step)
@@ -192,6 +213,8 @@ class LoRAFinetune(L.LightningModule):
         self.checkpointer.finish()  # async_save: the last checkpoint written and published before the export
         # Collective work first (every rank): logits on a fixed batch, whole weights gathered one at a time.
         cfg, rank = self.cfg, self.global_rank
+        if self.sp is not None:
+            sequence_parallel.unregister(self.attention)  # the export runs (and generates) with the attention mask
         self.model.eval()
         logits = batch_logits(self.model, self.data.fixed_batch, self.device)
         shapes = trainable_parameter_shapes(self.model)
@@ -244,6 +267,7 @@ def main() -> None:
     module_names = base_module_names(cfg, config)
     attention = resolve_attention_or_exit(cfg, "cuda" if on_gpu else "cpu")
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
+    check_sequence_parallel(cfg, world_size, config, attention)
     # The guides' pitfalls, checked before any work (printed on rank 0; errors refuse the run).
     lint_at_start(ds_config, config_to_dict(cfg), hidden_size=config.hidden_size, world_size=world_size)
     base_val_accuracy = None

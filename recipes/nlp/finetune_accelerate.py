@@ -6,6 +6,8 @@ Launch, from the repository root:
     accelerate launch --config_file recipes/nlp/accelerate_finetune.yaml recipes/nlp/finetune_accelerate.py  # CPU
     accelerate launch --config_file recipes/nlp/accelerate_finetune.yaml --num_processes 8 \\
         recipes/nlp/finetune_accelerate.py model=path/to/hf_folder data=my_data.jsonl                       # 8 GPUs
+    accelerate launch --config_file recipes/nlp/accelerate_finetune.yaml recipes/nlp/finetune_accelerate.py \\
+        sequence_parallel=2                                       # Ulysses: each example split over the 2 processes
     # multi-node: add --num_machines N --machine_rank R --main_process_ip HOST on every node
 
 ``accelerate_finetune.yaml`` + ``ds_config_finetune.json`` are the factory's output for the default config on 2
@@ -28,6 +30,8 @@ from finetuning import (
     base_module_names,
     batch_logits,
     build_lora_model,
+    check_sequence_parallel,
+    data_parallel,
     describe,
     evaluate,
     final_export,
@@ -42,13 +46,14 @@ from finetuning import (
     resolve_ds_config,
     score,
     sft_loader,
-    sft_loss,
+    train_loss,
     val_batches,
     write_run_files,
     write_summary,
 )
 from tqdm.auto import tqdm
 
+from common import sequence_parallel
 from common.accounting import model_state_bytes
 from common.async_checkpoint import make_checkpointer
 from common.checkpoint import (
@@ -60,10 +65,10 @@ from common.checkpoint import (
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
-from common.metrics import Clock, all_reduce
+from common.metrics import Clock, all_reduce, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads
-from common.strategy import accelerator_kwargs, make_optimizer
+from common.strategy import accelerator_kwargs, make_optimizer, zero_stage
 from nlp.data import DataError
 from nlp.lora import trainable_parameter_shapes
 from nlp.model import ModelError
@@ -103,6 +108,7 @@ def main() -> None:
     module_names = base_module_names(cfg, config)
     attention = resolve_attention_or_exit(cfg, "cuda" if on_gpu else "cpu")
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
+    check_sequence_parallel(cfg, world_size, config, attention)
     # The guides' pitfalls, checked before any work (printed on rank 0; errors refuse the run).
     lint_at_start(ds_config, config_to_dict(cfg), hidden_size=config.hidden_size, world_size=world_size)
     base_val_accuracy = None
@@ -114,7 +120,12 @@ def main() -> None:
         print(f"base model exact match on the held-out set: {base_val_accuracy:.3f}", flush=True)
 
     # --- DeepSpeed through Accelerate; ZeRO-3's partitioned construction is on from here ---
-    accelerator = Accelerator(**accelerator_kwargs(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s)))
+    accelerator_args = accelerator_kwargs(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))
+    if cfg.sequence_parallel > 1:  # Ulysses: prepare() routes attention through it and gives DeepSpeed the groups
+        accelerator_args["parallelism_config"] = sequence_parallel.accelerate_parallelism(
+            cfg.sequence_parallel, attention, world_size
+        )
+    accelerator = Accelerator(**accelerator_args)
     rank, device, main_process = accelerator.process_index, accelerator.device, accelerator.is_main_process
     model = build_lora_model(cfg, attention, module_names)
     optimizer = make_optimizer(
@@ -122,6 +133,7 @@ def main() -> None:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))  # stepped once per optimizer step
     engine, optimizer = accelerator.prepare(model, optimizer)
+    sp = sequence_parallel.this_rank(cfg.sequence_parallel, zero_stage(ds_config))  # None unless sequence parallel
     accelerator.register_for_checkpointing(scheduler)
     checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
     checkpointer.install(engine)  # async_save: DeepSpeed's files go through it
@@ -134,7 +146,9 @@ def main() -> None:
         accelerator.load_state(str(latest), load_module_strict=False)  # the frozen base comes from model=
         start_step = checkpoint_step(latest)
         accelerator.print(f"resumed from {latest} (step {start_step})")
-    loader = sft_loader(data, cfg, rank, world_size, start_step, False)
+    # The ranks of a sequence-parallel group read the same examples; held-out batches are whole sequences on every
+    # rank (Ulysses is off in eval mode), split over all ranks.
+    loader = sft_loader(data, cfg, *data_parallel(cfg, rank, world_size), start_step, False)
     held_out = val_batches(data, cfg, rank, world_size)
     log = MetricsLog(out_dir, enabled=main_process)
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not main_process, dynamic_ncols=True)
@@ -153,11 +167,11 @@ def main() -> None:
     clock.skip()
     for batch in loader:
         with accelerator.accumulate(engine):
-            loss = sft_loss(engine, batch, device)
-            accelerator.backward(loss)
+            total, loss = train_loss(engine, batch, device, sp)
+            accelerator.backward(total)
             optimizer.step()
             optimizer.zero_grad()
-        losses.append(loss.detach())
+        losses.append(loss)
         if len(losses) < cfg.grad_accum:
             continue
         scheduler.step()
@@ -172,7 +186,13 @@ def main() -> None:
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
             mean_loss = all_reduce(step_loss).item() / world_size
             bar.set_postfix(loss=f"{mean_loss:.3f}")
-            log.log(step, train_loss=mean_loss, lr=cfg.lr * lr_lambda(cfg)(step - 1), elapsed_s=clock.wall())
+            log.log(
+                step,
+                train_loss=mean_loss,
+                grad_norm=grad_norm(engine),
+                lr=cfg.lr * lr_lambda(cfg)(step - 1),
+                elapsed_s=clock.wall(),
+            )
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
             val_loss = run_eval(step)
             engine.train()
@@ -184,6 +204,8 @@ def main() -> None:
     checkpointer.finish()  # async_save: the last checkpoint written and published before the export
 
     # --- export: logits on a fixed batch and whole weights (collective), then adapter/, merged/ on rank 0 ---
+    if sp is not None:
+        sequence_parallel.unregister(attention)  # the export runs (and generates) with the attention mask
     engine.eval()
     logits = batch_logits(engine, data.fixed_batch, device)
     shapes = trainable_parameter_shapes(engine.module)

@@ -56,6 +56,7 @@ class FinetuneConfig:
     activation_checkpointing: str = "none"  # none|full|every_k|selective|save_memory_optimized (frozen base: fine)
     gradient_clipping: float = 1.0  # LoRA without clipping diverged to a constant answer here (DESIGN.md)
     nvme_path: str = ""  # local NVMe folder the *_offload_nvme presets swap to ("": none)
+    sequence_parallel: int = 1  # Ulysses: N ranks split each sequence; activations / N, world = N x data parallel
     # --- optimisation ---
     micro_batch_size: int = 16  # examples per rank per forward pass: activations grow with it
     grad_accum: int = 1  # micro-batches per optimizer step: a larger batch at no extra memory
@@ -89,6 +90,7 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         positive = "max_steps num_nodes micro_batch_size grad_accum seq_len lora_r n_train n_val max_new_tokens"
+        positive += " sequence_parallel"
         for name in (positive + " eval_interval checkpoint_interval log_interval collective_timeout_s").split():
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from finetune_config import BUILTIN_TASK, DEFAULT_BASE_MODEL, FinetuneConfig
 from peft import PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from common import sequence_parallel
 from common.activation import apply_activation_checkpointing
 from common.checkpoint import latest_checkpoint, save_hf_model
 from common.config import config_to_dict, dump_yaml, parse_overrides
@@ -31,6 +33,7 @@ from common.errors import ConfigError, InputMissing
 from common.memory_formulas import facts_from_model_config
 from common.metrics import all_reduce, memory_kind, peak_memory_bytes, throughput
 from common.rundir import env_info, read_metrics, write_json_atomic, write_text_atomic
+from common.sequence_parallel import SequenceParallel
 from common.strategy import (
     RunFacts,
     cosine_with_warmup,
@@ -122,6 +125,26 @@ def resolve_ds_config(cfg: FinetuneConfig, world_size: int, hidden_size: int) ->
     return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
 
 
+def check_sequence_parallel(cfg: FinetuneConfig, world_size: int, config: Any, attention: str) -> None:
+    """Refuse a ``sequence_parallel`` the run cannot use, before any work (one ConfigError naming the fix).
+
+    The length checked is what the batches are padded to: :func:`collate_sft_padded` pads every batch to a multiple
+    of ``sequence_parallel``, so no example length is refused.
+    """
+    size = cfg.sequence_parallel
+    if size == 1:
+        return
+    text = config.get_text_config()
+    sequence_parallel.check_sequence_parallel(
+        size,
+        world_size,
+        math.ceil(cfg.seq_len / size) * size,
+        text.num_attention_heads,
+        getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        attention,
+    )
+
+
 def write_run_files(cfg: FinetuneConfig, out_dir: Path, ds_config: dict, world_size: int, device: str) -> None:
     """Rank 0: ``config.yaml``, ``ds_config.json`` and ``env.json``."""
     write_text_atomic(out_dir / "config.yaml", dump_yaml(config_to_dict(cfg)))
@@ -183,6 +206,25 @@ def load_sft_data(cfg: FinetuneConfig, tokenizer: Any) -> SFTData:
     )
 
 
+def data_parallel(cfg: FinetuneConfig, rank: int, world_size: int) -> tuple[int, int]:
+    """This rank's (data-parallel rank, data-parallel size): DeepSpeed's Ulysses groups are consecutive ranks
+    (``i * N .. i * N + N - 1``), whose ranks read the same examples, each its slice of every sequence."""
+    return rank // cfg.sequence_parallel, world_size // cfg.sequence_parallel
+
+
+def collate_sft_padded(
+    features: list[dict[str, list[int]]], pad_token_id: int, multiple: int
+) -> dict[str, torch.Tensor]:
+    """``collate_sft``'s batch (right-padded, padding labelled ``IGNORE_INDEX``), padded on to a multiple of
+    ``multiple`` tokens: sequence parallelism gives each of its N ranks length / N of them."""
+    batch = collate_sft(features, pad_token_id)
+    extra = -batch["input_ids"].shape[1] % multiple
+    if extra:
+        fill = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0}
+        batch = {key: F.pad(value, (0, extra), value=fill[key]) for key, value in batch.items()}
+    return batch
+
+
 class FullRunSampler(StepSampler):
     """A StepSampler that reports the whole run's length even when it starts at ``start_step``: Lightning counts
     the batches of a resumed epoch from the checkpoint's count, so its loader must claim the full length."""
@@ -197,12 +239,13 @@ def sft_loader(
     """Batches in a (seed, step)-determined order, the same on both backends and exact on resume.
 
     Args:
+        rank, world_size: the data-parallel rank and size (:func:`data_parallel`).
         full_length: Lightning's loader (:class:`FullRunSampler`); Accelerate counts from ``start_step``.
     """
     if len(data.train) < cfg.micro_batch_size * world_size:
         raise DataError(
             f"{cfg.data}: {len(data.train)} training examples, fewer than one global micro-batch "
-            f"({cfg.micro_batch_size} x {world_size} ranks)"
+            f"({cfg.micro_batch_size} x {world_size} data-parallel ranks)"
         )
     sampler_class = FullRunSampler if full_length else StepSampler
     sampler = sampler_class(
@@ -212,7 +255,8 @@ def sft_loader(
         data.train,
         batch_size=cfg.micro_batch_size,
         sampler=sampler,
-        collate_fn=functools.partial(collate_sft, pad_token_id=data.pad_id),  # examples have different lengths
+        # Examples have different lengths; sequence parallel: batches padded to a multiple of its size.
+        collate_fn=functools.partial(collate_sft_padded, pad_token_id=data.pad_id, multiple=cfg.sequence_parallel),
     )
 
 
@@ -321,6 +365,29 @@ def sft_loss(model: Any, batch: dict, device: torch.device) -> torch.Tensor:
     """Mean cross entropy over the batch's response tokens: the training loss."""
     total, count = sft_loss_sums(model, batch, device)
     return total / count.clamp(min=1)
+
+
+def train_loss(
+    model: Any, batch: dict, device: torch.device, sp: SequenceParallel | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss to back-propagate, the micro-batch's mean response-token loss, detached).
+
+    Sequence parallel (``sp``): this rank's slice of every sequence, through ``common.sequence_parallel.lm_loss``,
+    whose loss is the same token mean as :func:`sft_loss` (own tokens' summed loss over the group's response-token
+    count, times ``grad_scale`` under ZeRO-3). Ulysses drops the attention mask: right padding under causal attention
+    leaves every real token's output unchanged and padding is labelled ``IGNORE_INDEX``; a left-padded batch would
+    not be, and is refused.
+    """
+    if sp is None:
+        loss = sft_loss(model, batch, device)
+        return loss, loss.detach()
+    mask = batch["attention_mask"]
+    if (mask[:, 1:] > mask[:, :-1]).any():
+        raise RuntimeError("sequence_parallel needs right-padded batches: Ulysses attends without the attention mask")
+    labels = batch["labels"]  # lm_loss takes next-token labels already shifted: the last position predicts nothing
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+    total, loss = sequence_parallel.lm_loss(model, batch["input_ids"].to(device), shifted.to(device), sp)
+    return total, loss
 
 
 @torch.no_grad()
@@ -442,6 +509,7 @@ class FinetuneSummary:
     zero_stage: int
     stage3_param_persistence_threshold: int | None
     world_size: int
+    sequence_parallel: int
     attention: str
     precision: str
     model: str
@@ -495,7 +563,10 @@ def make_summary(
         val_perplexity=math.exp(min(val_loss, 700.0)),
         initial_val_loss=initial,
         val_loss_ratio=val_loss / initial if initial else None,
-        throughput=throughput(cfg.micro_batch_size * cfg.grad_accum / median_step_s, "samples/s/device"),
+        # The ranks of a sequence-parallel group share their samples.
+        throughput=throughput(
+            cfg.micro_batch_size * cfg.grad_accum / cfg.sequence_parallel / median_step_s, "samples/s/device"
+        ),
         mfu=None,
         peak_memory_bytes=peak_memory,
         memory_kind=memory_kind(),
@@ -505,6 +576,7 @@ def make_summary(
         zero_stage=zero_stage(ds_config),
         stage3_param_persistence_threshold=ds_config["zero_optimization"].get("stage3_param_persistence_threshold"),
         world_size=world_size,
+        sequence_parallel=cfg.sequence_parallel,
         attention=attention,
         precision=precision_of(ds_config),
         model=cfg.model,
@@ -547,6 +619,7 @@ def describe(cfg: FinetuneConfig) -> RecipeDescription:
     devices, num_nodes = local_world(cfg.devices, cfg.num_nodes)
     world_size = devices * num_nodes
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
+    check_sequence_parallel(cfg, world_size, config, cfg.attention)
     facts = facts_from_model_config(config, f"base model {cfg.model}")
     return RecipeDescription(
         recipe="nlp:finetune",

@@ -57,6 +57,7 @@ class NLPConfig:
     sequence_parallel: int = 1  # Ulysses: ranks that split every sequence (ZeRO 1-3; not eager); DP = world / it
     tiled_mlp_shards: int = 1  # MLP computed this many slices of the sequence at a time, recomputed in backward
     tiled_loss_shards: int = 1  # logits + loss computed this many slices at a time: never all logits at once
+    offload_checkpoints: bool = False  # activation_checkpointing=full: each layer's input kept in host memory (GPU)
     activation_checkpointing: str = "none"  # none|full|every_k|selective|save_memory_optimized
     gradient_clipping: float = 1.0  # max gradient norm, 0 = off
     nvme_path: str = ""  # local NVMe folder the *_offload_nvme presets swap to ("": none)

@@ -23,7 +23,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from common import sequence_parallel, tiling
 from common.accounting import predicted_model_state_bytes
-from common.activation import apply_activation_checkpointing
+from common.activation import apply_activation_checkpointing, enable_offloadable_checkpointing
 from common.checkpoint import gather_full_state_dict, save_hf_model
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
@@ -244,10 +244,11 @@ def check_pipeline_parallel(
             "replaces the attention of a transformers model, not of PipelineModule's layers); use sequence_parallel "
             "on train.py or train_accelerate.py"
         )
-    if cfg.tiled_mlp_shards > 1 or cfg.tiled_loss_shards > 1:
+    if cfg.tiled_mlp_shards > 1 or cfg.tiled_loss_shards > 1 or cfg.offload_checkpoints:
         raise ConfigError(
-            "tiled_mlp_shards / tiled_loss_shards with the pipeline engine are not supported here (the pipeline's "
-            "last stage computes the loss itself); use them on train.py or train_accelerate.py"
+            "tiled_mlp_shards / tiled_loss_shards / offload_checkpoints with the pipeline engine are not supported "
+            "here (the pipeline's stages run and checkpoint the layers themselves); use them on train.py or "
+            "train_accelerate.py"
         )
     if zero_stage(ds_config) >= 2:
         raise ConfigError(
@@ -483,7 +484,10 @@ def build_model(cfg: NLPConfig, config: Any, attention: str, rank: int = 0) -> A
             trust_remote_code=cfg.trust_remote_code,
         )
     model.config.use_cache = False  # training: no KV cache
-    if cfg.activation_checkpointing != "none":
+    if cfg.offload_checkpoints:  # every layer, the form DeepSpeed's offload recognises (common/activation.py)
+        enable_offloadable_checkpointing(model)
+        print("activation checkpointing: full, by transformers' gradient checkpointing (offload_checkpoints=true)")
+    elif cfg.activation_checkpointing != "none":
         block = llama_block_class() if model.config.model_type == "llama" else None
         report = apply_activation_checkpointing(
             model, cfg.activation_checkpointing, block_classes=[block] if block else None
@@ -562,14 +566,6 @@ def lm_loss(model: Any, input_ids: torch.Tensor, labels: torch.Tensor, tiled: bo
         return model(input_ids=input_ids, use_cache=False, token_loss_labels=labels) / labels.numel()
     logits = model(input_ids=input_ids, use_cache=False).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
-
-def grad_norm(engine: Any) -> float:
-    """The last optimizer step's gradient norm before clipping, as DeepSpeed computed it over every rank (NaN before
-    the first step). The same on every rank; sequence parallel: it checks the loss scaling (module docstring of
-    common/sequence_parallel.py), which the loss curve alone hides."""
-    norm = engine.get_global_grad_norm()
-    return math.nan if norm is None else float(norm)
 
 
 @torch.no_grad()
@@ -707,11 +703,22 @@ def measured_text(measured: dict[str, int]) -> str:
 
 
 def check_tiling(cfg: NLPConfig, config: Any) -> None:
-    """Refuse a tiled MLP or loss the run cannot use, before any work (common/tiling.py)."""
-    if cfg.moe and (cfg.tiled_mlp_shards > 1 or cfg.tiled_loss_shards > 1):
+    """Refuse a tiled MLP or loss, or a checkpoint offload, the run cannot use, before any work (common/tiling.py,
+    common/activation.py)."""
+    if cfg.moe and (cfg.tiled_mlp_shards > 1 or cfg.tiled_loss_shards > 1 or cfg.offload_checkpoints):
         raise ConfigError(
-            f"tiled_mlp_shards / tiled_loss_shards with the MoE model {cfg.model!r} are not supported here "
-            "(DeepSpeed's MoE layer routes whole sequences); use 1"
+            f"tiled_mlp_shards / tiled_loss_shards / offload_checkpoints with the MoE model {cfg.model!r} are not "
+            "supported here (DeepSpeed's MoE layer routes whole sequences); leave them off"
+        )
+    if cfg.tensor_parallel > 1 and (cfg.tiled_mlp_shards > 1 or cfg.tiled_loss_shards > 1):
+        raise ConfigError(
+            f"tiled_mlp_shards / tiled_loss_shards with tensor_parallel={cfg.tensor_parallel} are not supported here "
+            "(AutoTP replaces the layers they slice; untested together); use sequence_parallel for long sequences"
+        )
+    if cfg.offload_checkpoints and cfg.activation_checkpointing != "full":
+        raise ConfigError(
+            f"offload_checkpoints moves the inputs of checkpointed layers to host memory; with "
+            f"activation_checkpointing={cfg.activation_checkpointing} it needs activation_checkpointing=full"
         )
     tiling.check_tiling(cfg.tiled_mlp_shards, cfg.tiled_loss_shards, getattr(config, "tie_word_embeddings", False))
 

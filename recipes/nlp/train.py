@@ -49,7 +49,6 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     eval_batches,
     evaluate,
     finish,
-    grad_norm,
     held_param_elements,
     load_data,
     lr_lambda,
@@ -68,11 +67,12 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
 
 from common import sequence_parallel
 from common.accounting import model_state_bytes
+from common.activation import checkpoint_offload, offload_text
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
 from common.errors import exit_on_user_error
-from common.metrics import Clock, all_reduce
+from common.metrics import Clock, all_reduce, grad_norm
 from common.resume import mark_universal, prepare_resume, with_universal_load
 from common.rundir import (
     MetricsLog,
@@ -122,6 +122,7 @@ class CausalLM(L.LightningModule):
         self.val_loss = math.nan
         self.summary: NLPSummary | None = None
         self.sp: SequenceParallel | None = None  # this rank's sequence-parallel group, once DeepSpeed has built it
+        self.offload = checkpoint_offload() if cfg.offload_checkpoints else None  # common/activation.py
 
     def configure_model(self) -> None:
         # Lightning runs this inside deepspeed.zero.Init under stage 3, and the strategy keeps an HfDeepSpeedConfig
@@ -157,11 +158,17 @@ class CausalLM(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         if batch_idx == 0:
             check_replica_batch(self.cfg, batch["input_ids"])
+        if self.offload is not None:  # left in on_after_backward: it must see the backward pass too
+            self.offload.__enter__()
         total, loss, aux = train_loss(self.cfg, self.model, self.model, batch["input_ids"], batch["labels"], self.sp)
         self.losses.append(loss.detach())  # a tensor: reading it (.item(), the progress bar) would wait for the device
         if aux is not None:
             self.aux_losses.append(aux.detach())
         return total
+
+    def on_after_backward(self) -> None:
+        if self.offload is not None:
+            self.offload.__exit__(None, None, None)
 
     def on_train_start(self) -> None:
         cfg, strategy = self.cfg, self.trainer.strategy
@@ -188,6 +195,8 @@ class CausalLM(L.LightningModule):
         if step == self.start_step + 1:
             self.model_states = model_state_bytes(self.trainer.strategy.model)
             self.print(measured_text(self.model_states))
+            if self.offload is not None:
+                self.print(offload_text(self.offload.stats))
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
             loss = all_reduce(step_loss).item() / self.trainer.world_size

@@ -19,6 +19,7 @@ files and the summary in ``pretraining.py``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -41,7 +42,6 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     eval_batches,
     evaluate,
     finish,
-    grad_norm,
     held_param_elements,
     hidden_size,
     load_data,
@@ -62,10 +62,11 @@ from tqdm.auto import tqdm
 
 from common import sequence_parallel
 from common.accounting import model_state_bytes
+from common.activation import checkpoint_offload, offload_text
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
-from common.metrics import Clock, all_reduce
+from common.metrics import Clock, all_reduce, grad_norm
 from common.resume import (
     mark_universal,
     param_groups_kept,
@@ -175,8 +176,9 @@ def main() -> None:
     engine.train()
     step, losses, aux_losses = start_step, [], []
     clock.skip()
+    offload = checkpoint_offload() if cfg.offload_checkpoints else contextlib.nullcontext()
     for batch in loader:
-        with accelerator.accumulate(engine):
+        with accelerator.accumulate(engine), offload:  # offload: around the forward and the backward pass
             # MoE: the routers' load-balancing loss is added to the LM loss (and logged apart).
             total, loss, aux = train_loss(
                 cfg, engine, engine.module, batch["input_ids"].to(device), batch["labels"].to(device), sp
@@ -200,6 +202,8 @@ def main() -> None:
         if step == start_step + 1:
             model_states = model_state_bytes(engine)
             say(measured_text(model_states))
+            if cfg.offload_checkpoints:
+                say(offload_text(offload.stats))
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync. The ranks of a
             # tensor-parallel group hold their replica's loss, each counted once per rank: the mean over replicas.

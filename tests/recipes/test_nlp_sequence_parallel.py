@@ -3,11 +3,14 @@
 Each run is compared with one process training the same global batch (fp32): every step's loss and DeepSpeed's
 gradient norm within 1e-5 relative. The norm is what catches a wrong loss scale (Adam hides it from the loss: see
 common/sequence_parallel.py); it caught the Lightning entry point training without DeepSpeed's groups, with half the
-gradient and the reference's losses. Which runs (CI time): sequence parallel 2 on 2 processes under ZeRO 1 and 3
-(Accelerate) and 3 (Lightning); sequence parallel 2 x data parallel 2 on 4 processes under ZeRO 3 (Accelerate) and
-2 (Lightning, where a missing group shows: ZeRO-3 averages over every rank either way), against one process with
+gradient and the reference's losses.
+
+Which runs (CI time; every stage on each backend): sequence parallel 2 on 2 processes under ZeRO 1, 2 and 3
+(Accelerate) and 1 and 3 (Lightning); sequence parallel 2 x data parallel 2 on 4 processes under ZeRO 3 (Accelerate)
+and 2 (Lightning, where a missing group shows: ZeRO-3 averages over every rank either way), against one process with
 twice the micro-batch. Two of them (Accelerate ZeRO 3, Lightning ZeRO 2) also tile the MLP and the loss
-(common/tiling.py). ZeRO 1, 2 and 3 at both layouts with SGD, on DeepSpeed's own engine:
+(common/tiling.py), two (Accelerate ZeRO 1, Lightning ZeRO 3) checkpoint every layer through DeepSpeed's checkpoint
+offload (common/activation.py). ZeRO 1, 2 and 3 at both layouts with SGD, on DeepSpeed's own engine:
 tests/distributed/test_sequence_parallel_grads.py.
 """
 
@@ -86,13 +89,19 @@ def test_the_other_refusals_name_the_fix(args, message):
         check_sequence_parallel(NLPConfig(sequence_parallel=2), 3, model_config(NLPConfig(), tokenizer=None))
 
 
-def test_a_tiling_the_recipe_cannot_use_is_refused():
+def test_a_tiling_or_offload_the_recipe_cannot_use_is_refused():
     NLPConfig, pretraining = recipe_module("nlp_config").NLPConfig, recipe_module("pretraining")
     with pytest.raises(ConfigError, match="tiled_loss_shards must be >= 1"):
         NLPConfig(tiled_loss_shards=0)
     moe = NLPConfig(model="moe_tiny", tiled_mlp_shards=2)
     with pytest.raises(ConfigError, match="with the MoE model"):
         pretraining.check_tiling(moe, pretraining.model_config(moe, tokenizer=None))
+    with_tp = NLPConfig(tensor_parallel=2, tiled_mlp_shards=2)
+    with pytest.raises(ConfigError, match="with tensor_parallel=2 are not supported"):
+        pretraining.check_tiling(with_tp, pretraining.model_config(with_tp, tokenizer=None))
+    offload = NLPConfig(offload_checkpoints=True, activation_checkpointing="selective")
+    with pytest.raises(ConfigError, match="it needs activation_checkpointing=full"):
+        pretraining.check_tiling(offload, pretraining.model_config(offload, tokenizer=None))
     pipeline = NLPConfig(pipeline_parallel=2, devices=2, preset="deepspeed_stage_1", tiled_loss_shards=2)
     with pytest.raises(ConfigError, match="with the pipeline engine are not supported"):
         pretraining.describe(pipeline, pipeline_engine=True)
@@ -101,21 +110,28 @@ def test_a_tiling_the_recipe_cannot_use_is_refused():
 
 # --- slow: every layout trains like one process --------------------------------------------------------
 
-# name: (entry point, processes, ZeRO stage, sequence_parallel, micro-batch size, tiled): tiled runs compute the MLP
+# name: (entry point, processes, ZeRO stage, sequence_parallel, micro-batch size, extra): tiled runs compute the MLP
 # in 3 slices and the loss in 4 (uneven: 32 tokens per rank), on both backends, under ZeRO 2 and 3 (DeepSpeed's
-# "not reduced before the last slice" flag, ds_grad_is_ready, is read by both optimizers).
+# "not reduced before the last slice" flag, ds_grad_is_ready, is read by both optimizers); offload runs checkpoint
+# every layer through DeepSpeed's checkpoint offload (it marks the layer inputs; a CPU moves none), on both backends.
 RUNS = {
-    "reference_zero1": ("accelerate", 1, 1, 1, 2, False),
-    "reference_zero3": ("accelerate", 1, 3, 1, 2, False),
-    "reference_zero1_batch4": ("accelerate", 1, 1, 1, 4, False),
-    "reference_zero3_batch4": ("accelerate", 1, 3, 1, 4, False),
-    "accelerate_sp2_zero1": ("accelerate", 2, 1, 2, 2, False),
-    "accelerate_sp2_zero3_tiled": ("accelerate", 2, 3, 2, 2, True),
-    "lightning_sp2_zero3": ("lightning", 2, 3, 2, 2, False),
-    "accelerate_sp2_dp2_zero3": ("accelerate", 4, 3, 2, 2, False),
-    "lightning_sp2_dp2_zero2_tiled": ("lightning", 4, 2, 2, 2, True),
+    "reference_zero1": ("accelerate", 1, 1, 1, 2, ""),
+    "reference_zero3": ("accelerate", 1, 3, 1, 2, ""),
+    "reference_zero1_batch4": ("accelerate", 1, 1, 1, 4, ""),
+    "reference_zero3_batch4": ("accelerate", 1, 3, 1, 4, ""),
+    "accelerate_sp2_zero1_offload": ("accelerate", 2, 1, 2, 2, "offload"),
+    "accelerate_sp2_zero2": ("accelerate", 2, 2, 2, 2, ""),
+    "lightning_sp2_zero1": ("lightning", 2, 1, 2, 2, ""),
+    "accelerate_sp2_zero3_tiled": ("accelerate", 2, 3, 2, 2, "tiled"),
+    "lightning_sp2_zero3_offload": ("lightning", 2, 3, 2, 2, "offload"),
+    "accelerate_sp2_dp2_zero3": ("accelerate", 4, 3, 2, 2, ""),
+    "lightning_sp2_dp2_zero2_tiled": ("lightning", 4, 2, 2, 2, "tiled"),
 }
-TILED = ["tiled_mlp_shards=3", "tiled_loss_shards=4"]
+EXTRA = {
+    "": [],
+    "tiled": ["tiled_mlp_shards=3", "tiled_loss_shards=4"],
+    "offload": ["activation_checkpointing=full", "offload_checkpoints=true"],
+}
 RESUMED = "accelerate_sp2_zero3_tiled"
 
 
@@ -127,14 +143,15 @@ def reference_of(name: str) -> str:
 
 
 def launch(name: str, out_dir, *extra: str) -> None:
-    entry, processes, stage, sp, micro, tiled = RUNS[name]
+    entry, processes, stage, sp, micro, extra_name = RUNS[name]
     steps = STEPS if sp > 1 else STEPS + 2
     args = [f"out_dir={out_dir}", *tiny_fp32_run(steps), f"preset={PRESET[stage]}", f"sequence_parallel={sp}"]
-    args += [f"micro_batch_size={micro}", *(TILED if tiled else []), *extra]
+    args += [f"micro_batch_size={micro}", *EXTRA[extra_name], *extra]
     if entry == "accelerate":
-        accelerate_launch(TRAIN_ACCELERATE, args, RECIPE / "accelerate.yaml", num_processes=processes, timeout=600)
+        proc = accelerate_launch(TRAIN_ACCELERATE, args, RECIPE / "accelerate.yaml", num_processes=processes)
     else:
-        run([PYTHON, TRAIN, f"devices={processes}", *args], timeout=600)
+        proc = run([PYTHON, TRAIN, f"devices={processes}", *args], timeout=600)
+    (out_dir / "stdout.txt").write_text(proc.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +183,16 @@ def test_sequence_parallel_trains_like_one_process(runs, name):
     assert summary["export_check"]["ok"], summary["export_check"]
     config = read_json(out_dir / "ds_config.json")
     assert config["zero_optimization"]["stage"] == RUNS[name][2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name in RUNS if name.endswith("_offload")])
+def test_checkpoint_offload_marks_every_layer_input(runs, name):
+    # The tiny model's 4 decoder layers, each input marked in every micro-batch; on a CPU none is moved.
+    assert (
+        "checkpoint offload: 4 layer inputs marked per micro-batch, 0 moved to host"
+        in (runs / name / "stdout.txt").read_text()
+    )
 
 
 @pytest.mark.slow

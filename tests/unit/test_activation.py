@@ -116,3 +116,29 @@ def test_frozen_embeddings_still_train_inner_weights():
     for a, b in zip(reference.model.layers, checkpointed.model.layers):
         assert b.self_attn.q_proj.weight.grad is not None
         torch.testing.assert_close(a.self_attn.q_proj.weight.grad, b.self_attn.q_proj.weight.grad)
+
+
+def test_checkpoint_offload_marks_every_layer_input_and_keeps_the_gradients():
+    # DeepSpeed's offload (common.activation.checkpoint_offload) acts on the inputs of transformers' checkpointed
+    # layers only: every one must be marked, once per micro-batch. On this CPU it moves none of them (a device that
+    # is host memory has nothing to offload), so the gradients must be the plain model's.
+    from common.activation import checkpoint_offload, enable_offloadable_checkpointing, offload_text
+    from nlp.model import build_llama_config, build_model_from_config
+
+    torch.manual_seed(0)
+    plain = build_model_from_config(build_llama_config("tiny", vocab_size=512), attn_implementation="sdpa")
+    checkpointed = copy.deepcopy(plain)
+    enable_offloadable_checkpointing(checkpointed)
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    offload = checkpoint_offload()
+    for _ in range(2):  # entered again for the next micro-batch
+        checkpointed.zero_grad()
+        with offload:
+            checkpointed(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        assert offload.stats.marked_tensors == plain.config.num_hidden_layers
+    plain(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert "4 layer inputs marked per micro-batch, 0 moved to host" in offload_text(offload.stats)
+    with pytest.raises(ConfigError, match="has none"):
+        enable_offloadable_checkpointing(Net())
