@@ -147,6 +147,11 @@ class NLPConfig:
         return None if self.model in LLAMA_SIZES or self.model in MOE_SIZES else Path(self.model).expanduser()
 
     @property
+    def tiled(self) -> bool:
+        """The MLP or the loss computed a slice of the sequence at a time (common/tiling.py)."""
+        return self.tiled_mlp_shards > 1 or self.tiled_loss_shards > 1
+
+    @property
     def moe(self) -> bool:
         """A Mixture-of-Experts size (nlp/moe.py: DeepSpeed's MoE layer in every decoder layer)."""
         return self.model in MOE_SIZES

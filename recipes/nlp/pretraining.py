@@ -244,7 +244,7 @@ def check_pipeline_parallel(
             "replaces the attention of a transformers model, not of PipelineModule's layers); use sequence_parallel "
             "on train.py or train_accelerate.py"
         )
-    if cfg.tiled_mlp_shards > 1 or cfg.tiled_loss_shards > 1 or cfg.offload_checkpoints:
+    if cfg.tiled or cfg.offload_checkpoints:
         raise ConfigError(
             "tiled_mlp_shards / tiled_loss_shards / offload_checkpoints with the pipeline engine are not supported "
             "here (the pipeline's stages run and checkpoint the layers themselves); use them on train.py or "
@@ -562,8 +562,9 @@ def lm_loss(model: Any, input_ids: torch.Tensor, labels: torch.Tensor, tiled: bo
     """Next-token cross entropy, in fp32 whatever the weights' dtype (labels are already shifted).
 
     ``tiled``: the model computes it a slice of the sequence at a time and returns the sum (common/tiling.py)."""
-    if tiled:
-        return model(input_ids=input_ids, use_cache=False, token_loss_labels=labels) / labels.numel()
+    if tiled:  # the mean over the tokens F.cross_entropy averages: those not labelled IGNORE_INDEX
+        summed = model(input_ids=input_ids, use_cache=False, token_loss_labels=labels)
+        return summed / (labels != tiling.IGNORE_INDEX).sum()
     logits = model(input_ids=input_ids, use_cache=False).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
@@ -705,12 +706,12 @@ def measured_text(measured: dict[str, int]) -> str:
 def check_tiling(cfg: NLPConfig, config: Any) -> None:
     """Refuse a tiled MLP or loss, or a checkpoint offload, the run cannot use, before any work (common/tiling.py,
     common/activation.py)."""
-    if cfg.moe and (cfg.tiled_mlp_shards > 1 or cfg.tiled_loss_shards > 1 or cfg.offload_checkpoints):
+    if cfg.moe and (cfg.tiled or cfg.offload_checkpoints):
         raise ConfigError(
             f"tiled_mlp_shards / tiled_loss_shards / offload_checkpoints with the MoE model {cfg.model!r} are not "
             "supported here (DeepSpeed's MoE layer routes whole sequences); leave them off"
         )
-    if cfg.tensor_parallel > 1 and (cfg.tiled_mlp_shards > 1 or cfg.tiled_loss_shards > 1):
+    if cfg.tensor_parallel > 1 and cfg.tiled:
         raise ConfigError(
             f"tiled_mlp_shards / tiled_loss_shards with tensor_parallel={cfg.tensor_parallel} are not supported here "
             "(AutoTP replaces the layers they slice; untested together); use sequence_parallel for long sequences"
@@ -721,6 +722,18 @@ def check_tiling(cfg: NLPConfig, config: Any) -> None:
             f"activation_checkpointing={cfg.activation_checkpointing} it needs activation_checkpointing=full"
         )
     tiling.check_tiling(cfg.tiled_mlp_shards, cfg.tiled_loss_shards, getattr(config, "tie_word_embeddings", False))
+
+
+def check_combinations(
+    cfg: NLPConfig, world_size: int, config: Any, ds_config: dict[str, Any], pipeline_engine: bool = False
+) -> None:
+    """Every refusal of a parallelism or memory option the run cannot use, before any work (``--describe`` and the
+    Lightning and Accelerate entry points)."""
+    check_pipeline_parallel(cfg, world_size, config, ds_config, pipeline_engine)
+    check_tensor_parallel(cfg, world_size, config, ds_config)
+    check_expert_parallel(cfg, world_size, config, ds_config)
+    check_sequence_parallel(cfg, world_size, config)
+    check_tiling(cfg, config)
 
 
 def describe(cfg: NLPConfig, pipeline_engine: bool = False) -> RecipeDescription:
@@ -737,11 +750,7 @@ def describe(cfg: NLPConfig, pipeline_engine: bool = False) -> RecipeDescription
     config = model_config(cfg, load_tokenizer(source) if source else None)
     facts = facts_from_model_config(config, source=f"recipe nlp (model={cfg.model})")
     ds_config = deepspeed_config(cfg, world_size, config.hidden_size)
-    check_pipeline_parallel(cfg, world_size, config, ds_config, pipeline_engine)
-    check_tensor_parallel(cfg, world_size, config, ds_config)
-    check_expert_parallel(cfg, world_size, config, ds_config)
-    check_sequence_parallel(cfg, world_size, config)
-    check_tiling(cfg, config)
+    check_combinations(cfg, world_size, config, ds_config, pipeline_engine)
     return RecipeDescription(
         recipe="nlp",
         config=config_to_dict(cfg),

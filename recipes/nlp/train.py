@@ -37,13 +37,9 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     MemoryPlan,
     NLPSummary,
     build_model,
-    check_expert_parallel,
+    check_combinations,
     check_mesh,
-    check_pipeline_parallel,
     check_replica_batch,
-    check_sequence_parallel,
-    check_tensor_parallel,
-    check_tiling,
     data_parallel,
     describe,
     eval_batches,
@@ -272,11 +268,7 @@ def main() -> None:
     data = load_data(cfg, tokenizer_source(cfg, trained_here=cfg.resume or not rank0), world_size)
     config = model_config(cfg, data.tokenizer)
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
-    check_pipeline_parallel(cfg, world_size, config, ds_config, pipeline_engine=False)
-    check_tensor_parallel(cfg, world_size, config, ds_config)
-    check_expert_parallel(cfg, world_size, config, ds_config)
-    check_sequence_parallel(cfg, world_size, config)
-    check_tiling(cfg, config)
+    check_combinations(cfg, world_size, config, ds_config)
     attention = resolve_attention(cfg.attention, "cuda" if on_gpu else "cpu", torch_dtype(cfg.precision))
     if rank0:
         prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)

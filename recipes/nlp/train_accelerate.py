@@ -31,12 +31,8 @@ from accelerate import Accelerator
 from nlp_config import DEFAULT_CONFIG, NLPConfig  # next to this script
 from pretraining import (  # next to this script: data, model, loss, evaluation, run files, summary
     build_model,
-    check_expert_parallel,
+    check_combinations,
     check_mesh,
-    check_pipeline_parallel,
-    check_sequence_parallel,
-    check_tensor_parallel,
-    check_tiling,
     data_parallel,
     describe,
     eval_batches,
@@ -92,11 +88,7 @@ def main() -> None:
     refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)
     # --- DeepSpeed through Accelerate: the factory's dict, with ZeRO-3's partitioned construction turned on ---
     ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
-    check_pipeline_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config, pipeline_engine=False)
-    check_tensor_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
-    check_expert_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
-    check_sequence_parallel(cfg, world_size, model_config(cfg, tokenizer=None))
-    check_tiling(cfg, model_config(cfg, tokenizer=None))
+    check_combinations(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
     # A different model or config, no complete checkpoint: refused; another data-parallel size: a universal checkpoint.
     resume = resume_point(cfg, world_size)
     start_step = resume.step if resume else 0
