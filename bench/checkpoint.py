@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -82,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     }
     step = 0
 
-    def save(mode: str) -> float:
+    def save(mode: str) -> None:
         nonlocal step
         step += 1  # a folder of its own per save, also for saves with no training between them
         if mode == "async":
@@ -90,7 +91,6 @@ def worker(args: argparse.Namespace) -> None:
         else:
             engine.checkpoint_engine = torch_engine
         writers[mode].save(step, lambda folder: engine.save_checkpoint(str(folder), tag="checkpoint"))
-        return writers[mode].blocked_s[-1]
 
     def steps(count: int) -> tuple[float, float]:
         nonlocal step
@@ -104,19 +104,24 @@ def worker(args: argparse.Namespace) -> None:
     steps(1)  # warm-up: the first step allocates the optimizer states
     step_wall = [slowest(steps(1)[0]) for _ in range(2)]
     result: dict = {"num_params": sum(p.ds_numel for p in engine.module.parameters()), "world_size": world}
+    result["cpu_cores"] = len(os.sched_getaffinity(0))  # what the ranks and their writers share
     if args.scaling_only:
-        result["sync_save_s"] = [slowest(save("sync")) for _ in range(args.saves)]
+        for _ in range(args.saves):
+            save("sync")
+        result["sync_save_s"] = [slowest(seconds) for seconds in writers["sync"].blocked_s]
     else:
-        blocked: dict[str, list[float]] = {"sync": [], "async": []}
         for _ in range(args.saves):
             for mode in ("sync", "async"):
-                blocked[mode].append(slowest(save(mode)))
-                steps(args.steps_between)
+                save(mode)
+                steps(args.steps_between)  # the next optimizer step may wait for the copy: part of blocked_s
                 writers["async"].finish()  # the next save starts with nothing in flight, whatever the mode
-        result["blocked_s"] = blocked
+        # Per save, the slowest rank's wait: in the save call, plus (asynchronous) the next step's wait for the copy.
+        result["blocked_s"] = {mode: [slowest(seconds) for seconds in writers[mode].blocked_s] for mode in writers}
+        result["update_waits"] = len(writers["async"].update_wait_s)
+        result["writer_cpu_s"] = [slowest(seconds) for seconds in writers["async"].writer_cpu_s]
         result["snapshot_bytes_per_rank"] = writers["async"].snapshot_bytes
         result["step_s"] = statistics.median(step_wall)
-        sync_save = statistics.median(blocked["sync"])
+        sync_save = statistics.median(result["blocked_s"]["sync"])
         # A synchronous save every N steps costs save / (N * step + save) of the run: at least SYNC_SHARE_FLOOR.
         every = max(1, math.floor(sync_save * (1 - SYNC_SHARE_FLOOR) / (SYNC_SHARE_FLOOR * result["step_s"])))
         result["save_every"] = every
@@ -125,16 +130,20 @@ def worker(args: argparse.Namespace) -> None:
             for mode in ("none", "sync", "async"):
                 writers["async"].finish()
                 dist.barrier()
-                wall, cpu = time.perf_counter(), time.thread_time()
+                wall, cpu, process_cpu = time.perf_counter(), time.thread_time(), time.process_time()
                 for _ in range(args.saves_per_run):
                     steps(every)
                     if mode != "none":
                         save(mode)
                 steps(every)  # the last write overlaps these steps too, as it would in a longer run
+                counted = every * (args.saves_per_run + 1)
                 runs[mode].append(
                     {
-                        "wall_s_per_step": slowest(time.perf_counter() - wall) / (every * (args.saves_per_run + 1)),
-                        "cpu_s_per_step": slowest(time.thread_time() - cpu) / (every * (args.saves_per_run + 1)),
+                        "wall_s_per_step": slowest(time.perf_counter() - wall) / counted,
+                        "cpu_s_per_step": slowest(time.thread_time() - cpu) / counted,
+                        # every thread of the rank: training, gloo's, the writer's (a write still in flight at the
+                        # end is not in it; the wall time is what the run paid)
+                        "process_cpu_s_per_step": slowest(time.process_time() - process_cpu) / counted,
                     }
                 )
         writers["async"].finish()
@@ -216,7 +225,9 @@ def render_body(results: dict) -> str:
         f"{stall['snapshot_bytes_per_rank'] / 1e9:.2f} GB of snapshot per rank. "
         f"{len(stall['blocked_s']['sync'])} saves per mode, interleaved; medians with (min-max) over the saves after "
         "the first, or over the repetitions. The first asynchronous save also allocates the snapshot memory, which "
-        f"every later save reuses: it blocked {figures['first_async_blocked_s']:.2f} s.",
+        f"every later save reuses: it blocked {figures['first_async_blocked_s']:.2f} s. An asynchronous save's blocked "
+        "time is the save call plus the wait of the next optimizer step for the copy to host memory "
+        f"({stall['update_waits']} of {len(stall['blocked_s']['async'])} saves waited there).",
         "",
         "| | synchronous | asynchronous (`async_save=true`) | ratio | bar |",
         "|---|---|---|---|---|",
@@ -233,6 +244,12 @@ def render_body(results: dict) -> str:
         f"sync costs {figures['slowdown_sync'] - 1:.0%} (floor {SYNC_SHARE_FLOOR:.0%}) |",
         f"| training-thread CPU s/step (none: {per_step('none', 'cpu_s_per_step')}) | "
         f"{per_step('sync', 'cpu_s_per_step')} | {per_step('async', 'cpu_s_per_step')} | | |",
+        f"| CPU s/step of the whole rank, every thread (none: {per_step('none', 'process_cpu_s_per_step')}) | "
+        f"{per_step('sync', 'process_cpu_s_per_step')} | {per_step('async', 'process_cpu_s_per_step')} | | |",
+        f"| the writer thread's CPU per save (s): copy, write, fsync | | "
+        f"{statistics.median(stall['writer_cpu_s']):.2f} | | |",
+        "",
+        idle_cpu_sentence(stall),
         "",
         "Synchronous save time by model size and process count (the same writer, nothing else running):",
         "",
@@ -247,6 +264,24 @@ def render_body(results: dict) -> str:
             f"{median:.2f} ({low:.2f}-{high:.2f}) | {row['checkpoint_bytes'] / 1e9 / median:.2f} |"
         )
     return "\n".join(lines)
+
+
+def idle_cpu_sentence(stall: dict) -> str:
+    """Whether the background write can hide in the CPU time training leaves idle: the cores' seconds per step
+    minus what the ranks use without saves, against what the writer uses per save."""
+    runs = stall["throughput_runs"]
+    wall = statistics.median(run["wall_s_per_step"] for run in runs["none"])
+    used = stall["world_size"] * statistics.median(run["process_cpu_s_per_step"] for run in runs["none"])
+    idle = max(0.0, stall["cpu_cores"] * wall - used)
+    writer = stall["world_size"] * statistics.median(stall["writer_cpu_s"])
+    return (
+        f"Where the time goes: without saves the {stall['world_size']} ranks use {used:.2f} of the "
+        f"{stall['cpu_cores']} cores x {wall:.3f} s = {stall['cpu_cores'] * wall:.2f} CPU-seconds per step, leaving "
+        f"{idle:.2f} idle; the writers need {writer:.2f} CPU-seconds per save (all ranks: the copy to host memory, "
+        f"torch.save into the page cache, fsync). A save every {stall['save_every']} step(s) fits in idle CPU only "
+        f"if {writer:.2f} <= {stall['save_every']} x {idle:.2f}; otherwise the writer takes cycles from training "
+        "and the wall time per step grows, however little of the save the loop waits for."
+    )
 
 
 def render_sections(document: dict) -> dict[str, str]:

@@ -1,16 +1,28 @@
 """Asynchronous checkpoints: training waits only while the state is copied to host memory, never for the disk.
 
 A synchronous DeepSpeed save stops every rank for the whole write (guide 2, 8; DeepSpeed#1997: 427 s for one save).
-:class:`AsyncCheckpointer` splits it in two:
+:class:`AsyncCheckpointer` splits it in three:
 
-* **snapshot** (the training loop waits): DeepSpeed's ``save_checkpoint`` runs as usual, but every file it hands to
-  its checkpoint engine goes to the engine :func:`snapshot_engine` makes, whose ``save`` deep-copies the state's
-  tensors to host memory and queues them. ZeRO's optimizer ``state_dict()`` returns the live fp32 partitions, which
-  the next optimizer step overwrites in place, so the copy is what makes the write safe to defer.
-* **write** (a background thread per rank, while training goes on): ``torch.save`` of each snapshot, then ``fsync``
-  of every file in the rank's checkpoint folder, then a marker ``.written-rank<K>``. Rank 0's thread waits until
-  every rank's marker is there and only then publishes (``publish_checkpoint``: rename into place, move ``latest``,
-  retention). A crash at any point leaves ``latest`` naming the previous complete checkpoint.
+* **save call** (the training loop waits): DeepSpeed's ``save_checkpoint`` runs as usual, but every file it hands to
+  its checkpoint engine goes to the engine :func:`snapshot_engine` makes, whose ``save`` queues the state instead of
+  writing it. Tensors that only an optimizer update changes (the module's parameters, the fp32 master partitions, the
+  optimizer's moments: :func:`updated_by_the_optimizer`) are queued by reference; every other tensor (buffers such
+  as BatchNorm statistics, which a forward pass changes in place; anything in the client state) is copied to host
+  memory at once.
+* **copy** (background, overlapping the next forward and backward): the referenced tensors are copied to host
+  memory. ZeRO's optimizer ``state_dict()`` returns the live partitions, which the next optimizer step overwrites in
+  place, so a hook before that step (``register_step_pre_hook`` on the torch optimizer inside DeepSpeed's) waits
+  for the copy; the wait, if any, is added to the save's ``blocked_s``. This is the lazy snapshot of DataStates-LLM
+  (Maurya et al., HPDC 2024): the state is immutable from the end of one update to the start of the next.
+* **write** (background, while training goes on): ``torch.save`` of each snapshot, then ``fsync`` of every file in
+  the rank's checkpoint folder, then a marker ``.written-rank<K>``. Rank 0's thread waits until every rank's marker
+  is there and only then publishes (``publish_checkpoint``: rename into place, move ``latest``, retention). A crash
+  at any point leaves ``latest`` naming the previous complete checkpoint.
+
+Without a torch optimizer to hook (or with ZeRO's NVMe swapping, which moves the state between saves and steps)
+every tensor is copied in the save call, as before. The writer thread runs at a lower CPU priority (``nice``
++10, per thread on Linux): on a host whose cores training keeps busy, the copy and the write take the cycles the
+training threads leave (while they wait in a collective) before any they would use.
 
 At most one save is in flight per rank: a save waits for the previous one to be written and published first (never
 two writers on one folder), so host memory for snapshots is bounded by one checkpoint's share of the rank
@@ -41,10 +53,14 @@ from common.rundir import fsync_path
 
 MARKER = ".written-rank"
 WRITE_DELAY_ENV = "ZERO_RECIPES_TEST_CHECKPOINT_WRITE_DELAY_S"
+COPY_DELAY_ENV = "ZERO_RECIPES_TEST_CHECKPOINT_COPY_DELAY_S"
+WRITER_NICE = 10  # the writer thread's CPU priority below training's (Linux: per thread)
 PUBLISH_POLL_S = 0.05
 
 
-def snapshot(state: Any, pool: dict | None = None, key: tuple = ()) -> tuple[Any, int]:
+def snapshot(
+    state: Any, pool: dict | None = None, key: tuple = (), defer: Callable[[torch.Tensor], bool] | None = None
+) -> tuple[Any, int]:
     """A deep copy of ``state`` with every tensor copied to host memory; and the bytes those copies hold.
 
     Views are copied as themselves (``clone`` of a view is compact), so a partition of a flat buffer does not drag
@@ -56,9 +72,15 @@ def snapshot(state: Any, pool: dict | None = None, key: tuple = ()) -> tuple[Any
             dtype is copied into instead of allocating a new one (fresh memory costs a page fault per 4 KiB the
             first time it is written, which made up most of the snapshot time measured here). Updated in place.
         key: this value's position in the state (for the pool).
+        defer: tensors for which it is true are kept by reference, not copied (nor counted): a second
+            ``snapshot`` of the result copies them later.
     """
     if isinstance(state, torch.Tensor):
+        if defer is not None and defer(state):
+            return state, 0
         host = pool.get(key) if pool is not None else None
+        if host is state:  # copied by an earlier pass into this very tensor
+            return host, host.numel() * host.element_size()
         if host is not None and host.shape == state.shape and host.dtype == state.dtype:
             host.copy_(state.detach())
         else:
@@ -69,16 +91,54 @@ def snapshot(state: Any, pool: dict | None = None, key: tuple = ()) -> tuple[Any
     if isinstance(state, dict):
         out, total = copy.copy(state), 0  # a shallow copy keeps the mapping's type (OrderedDict, defaultdict)
         for name, value in state.items():
-            out[name], nbytes = snapshot(value, pool, (*key, name))
+            out[name], nbytes = snapshot(value, pool, (*key, name), defer)
             total += nbytes
         return out, total
     if isinstance(state, list | tuple):
-        items = [snapshot(value, pool, (*key, index)) for index, value in enumerate(state)]
+        items = [snapshot(value, pool, (*key, index), defer) for index, value in enumerate(state)]
         copies, total = [c for c, _ in items], sum(n for _, n in items)
         if isinstance(state, list):
             return copies, total
         return (type(state)(*copies) if hasattr(state, "_fields") else type(state)(copies)), total
     return state, 0
+
+
+def torch_optimizer(engine: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside a DeepSpeed engine's (ZeRO's and the mixed-precision wrappers are not torch
+    optimizers; the AdamW, CPUAdam or FusedAdam they drive is): the one whose ``step`` changes the state in place."""
+    optimizer = getattr(engine, "optimizer", None)
+    for _ in range(4):  # engine -> ZeRO or bf16 wrapper -> the torch optimizer
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None
+
+
+def storage_of(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def updated_by_the_optimizer(engine: Any, optimizer: torch.optim.Optimizer) -> set[int]:
+    """The storages that change only in an optimizer update: the module's parameters (ZeRO-3: their partitions,
+    ``ds_tensor``), the torch optimizer's parameters and state, and ZeRO's fp32 master partitions (ZeRO-3 hands its
+    torch optimizer one sub-group at a time, so not all of them are in its parameter groups)."""
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    for key, state in optimizer.state.items():
+        tensors += [key, *(v for v in state.values() if isinstance(v, torch.Tensor))]
+    for parameter in engine.module.parameters():
+        tensors += [parameter, getattr(parameter, "ds_tensor", None)]
+    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+        tensors += list(getattr(engine.optimizer, name, None) or [])
+    storages = {storage_of(t) for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
+    storages.discard(0)
+    return storages
+
+
+def swaps_to_nvme(engine: Any) -> bool:
+    """Whether ZeRO moves the optimizer state or the parameters to NVMe and back (they change place between a save
+    and the next step, so they are copied in the save call)."""
+    offloads = [getattr(engine, f"zero_offload_{kind}", lambda: None)() for kind in ("optimizer", "param")]
+    return any(getattr(offload, "device", None) == "nvme" for offload in offloads)
 
 
 def fsync_tree(folder: Path) -> None:
@@ -204,8 +264,19 @@ class AsyncCheckpointer(Checkpointer):
         self.publish_timeout_s = publish_timeout_s
         self._pool: dict[tuple, torch.Tensor] = {}  # the snapshot's host tensors, reused by the next save
         self.written_s: list[float] = []
-        # Tests only: slow every file write down, so that a test can kill a rank while a write is in flight.
+        self.update_wait_s: list[float] = []  # per wait: how long an optimizer step waited for a save's copy
+        self.writer_cpu_s: list[float] = []  # per save: the writer thread's CPU time (copy, write, fsync, publish)
+        self._cpu_start: float | None = None
+        # Tests only: slow every file write (or copy) down, so that a test can kill a rank while a write is in
+        # flight (or take an optimizer step that must wait for the copy).
         self._write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0"))
+        self._copy_delay_s = float(os.environ.get(COPY_DELAY_ENV, "0"))
+        self._lazy: set[int] | None = None  # the storages copied after the save call; None: copy everything in it
+        self._engine: Any = None
+        self._hooked: set[int] = set()  # ids of the torch optimizers that wait for the copy before they step
+        self._copied = threading.Event()  # the last save's tensors are all in host memory
+        self._copied.set()
+        self._files: list[tuple] = []  # the last save's files, copied and waiting to be written (writer thread)
         self._pending_bytes = 0
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -213,8 +284,14 @@ class AsyncCheckpointer(Checkpointer):
         self._thread.start()
 
     def install(self, engine: Any) -> None:
-        """Route a DeepSpeed engine's checkpoint files through this writer (after ``deepspeed.initialize``)."""
+        """Route a DeepSpeed engine's checkpoint files through this writer (after ``deepspeed.initialize``), and make
+        its optimizer wait for a save's copy before it changes the state (see the module docstring)."""
         engine.checkpoint_engine = snapshot_engine(self, engine.checkpoint_engine)
+        optimizer = torch_optimizer(engine)
+        self._engine = engine if optimizer is not None and not swaps_to_nvme(engine) else None
+        if self._engine is not None and id(optimizer) not in self._hooked:
+            optimizer.register_step_pre_hook(self._before_update)
+            self._hooked.add(id(optimizer))
 
     def save(self, step: int, write: Callable[[Path], None]) -> None:
         """Wait for the previous save, then run the backend's save into the temporary folder; returns once snapshotted.
@@ -226,18 +303,36 @@ class AsyncCheckpointer(Checkpointer):
         """
         start = time.perf_counter()
         self.wait()
-        self._pending_bytes = 0
+        # Which storages may be copied after the save call: found again at each save (ZeRO may reallocate).
+        self._lazy = updated_by_the_optimizer(self._engine, torch_optimizer(self._engine)) if self._engine else None
+        self._copied.clear()
         folder = tmp_checkpoint_dir(self.out_dir, step)
-        write(folder)
-        self.snapshot_bytes = max(self.snapshot_bytes, self._pending_bytes)
+        try:
+            write(folder)
+        except BaseException:
+            self._queue.put(("abort",))  # what was queued is dropped, never published; no step waits for its copy
+            raise
         self._queue.put(("done", step, folder, time.perf_counter()))
         self.blocked_s.append(time.perf_counter() - start)
 
     def enqueue_file(self, state: Any, path: str, zipfile_serialization: bool) -> None:
         # The pool is free to overwrite: save() waited for the previous write before the backend's save called us.
-        copy, nbytes = snapshot(state, self._pool, (Path(path).name,))
-        self._pending_bytes += nbytes
+        lazy = self._lazy
+        defer = (lambda tensor: storage_of(tensor) in lazy) if lazy else None
+        copy, _ = snapshot(state, self._pool, (Path(path).name,), defer)
         self._queue.put(("file", copy, path, zipfile_serialization))
+
+    def _before_update(self, *_: Any) -> None:
+        """Before the torch optimizer's step: wait until the last save's tensors are in host memory (counted as
+        blocked time of that save)."""
+        if self._copied.is_set():
+            return
+        start = time.perf_counter()
+        self._copied.wait()
+        waited = time.perf_counter() - start
+        self.update_wait_s.append(waited)
+        if self.blocked_s:
+            self.blocked_s[-1] += waited
 
     def wait(self) -> None:
         """Block until every queued write (and rank 0's publish) is done; raise what the writer raised."""
@@ -253,6 +348,8 @@ class AsyncCheckpointer(Checkpointer):
     # --- the writer thread ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        with contextlib.suppress(OSError):  # Linux sets a nice value per thread; elsewhere this may be refused
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + WRITER_NICE)
         while True:
             item = self._queue.get()
             try:
@@ -261,20 +358,35 @@ class AsyncCheckpointer(Checkpointer):
             except BaseException as exc:  # noqa: BLE001 - re-raised in the training loop by wait()
                 self._error = exc
             finally:
+                if item[0] in ("done", "abort"):
+                    self._files, self._pending_bytes, self._cpu_start = [], 0, None
+                    self._copied.set()  # also after a failure: no optimizer step waits for a copy that never comes
                 self._queue.task_done()
 
     def _handle(self, item: tuple) -> None:
-        if item[0] == "file":
+        if item[0] == "abort":
+            return
+        if self._cpu_start is None:
+            self._cpu_start = time.thread_time()
+        if item[0] == "file":  # copy what the save call left by reference; written once every file is copied
             _, state, path, zipfile_serialization = item
-            time.sleep(self._write_delay_s)
-            torch.save(state, path, _use_new_zipfile_serialization=zipfile_serialization)
+            time.sleep(self._copy_delay_s)
+            state, nbytes = snapshot(state, self._pool, (Path(path).name,))
+            self._pending_bytes += nbytes
+            self._files.append((state, path, zipfile_serialization))
             return
         _, step, folder, snapshotted_at = item
+        self.snapshot_bytes = max(self.snapshot_bytes, self._pending_bytes)
+        self._copied.set()  # the optimizer may change the live tensors from here on
+        for state, path, zipfile_serialization in self._files:
+            time.sleep(self._write_delay_s)
+            torch.save(state, path, _use_new_zipfile_serialization=zipfile_serialization)
         fsync_tree(folder)
         self._mark_written(folder)
         if self.rank == 0:
             self._publish_when_all_written(step, folder)
         self.written_s.append(time.perf_counter() - snapshotted_at)
+        self.writer_cpu_s.append(time.thread_time() - self._cpu_start)
 
     def _mark_written(self, folder: Path) -> None:
         """Create and flush this rank's marker through one file descriptor, never by path again: once the marker is
