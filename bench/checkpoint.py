@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -159,6 +160,28 @@ def worker(args: argparse.Namespace) -> None:
 # --- the driver ---------------------------------------------------------------------------------------------------
 
 
+def crc_cost(work: Path, megabytes: int, repeats: int) -> dict:
+    """CPU and wall seconds of one ``torch.save`` of ``megabytes`` of fp32, with torch's CRC-32 of every record and
+    without it (``common.async_checkpoint.without_crc32``, what both writers use), interleaved; no fsync."""
+    import torch
+
+    from common.async_checkpoint import without_crc32
+
+    tensor = torch.randn(megabytes * 2**20 // 4, generator=torch.Generator().manual_seed(0))
+    path = work / "crc.pt"
+    times: dict[str, list[dict]] = {"with_crc32": [], "without_crc32": []}
+    for _ in range(repeats):
+        for mode in times:
+            path.unlink(missing_ok=True)
+            context = without_crc32() if mode == "without_crc32" else contextlib.nullcontext()
+            wall, cpu = time.perf_counter(), time.thread_time()
+            with context:
+                torch.save({"t": tensor}, path)
+            times[mode].append({"wall_s": time.perf_counter() - wall, "cpu_s": time.thread_time() - cpu})
+    path.unlink(missing_ok=True)
+    return {"megabytes": megabytes, **times}
+
+
 def run_group(args: argparse.Namespace, work: Path, hidden: int, layers: int, nproc: int, scaling: bool) -> dict:
     folder = work / f"h{hidden}-l{layers}-p{nproc}-{'scaling' if scaling else 'stall'}"
     shutil.rmtree(folder, ignore_errors=True)
@@ -251,6 +274,8 @@ def render_body(results: dict) -> str:
         "",
         idle_cpu_sentence(stall),
         "",
+        crc_sentence(results["crc"]),
+        "",
         "Synchronous save time by model size and process count (the same writer, nothing else running):",
         "",
         "| parameters | processes | checkpoint GB | save s (median, min-max) | GB/s |",
@@ -264,6 +289,22 @@ def render_body(results: dict) -> str:
             f"{median:.2f} ({low:.2f}-{high:.2f}) | {row['checkpoint_bytes'] / 1e9 / median:.2f} |"
         )
     return "\n".join(lines)
+
+
+def crc_sentence(crc: dict) -> str:
+    """What torch's CRC-32 costs a save, which both writers leave out (torch.load never checks it)."""
+
+    def median_of(mode: str, key: str) -> float:
+        return statistics.median(run[key] for run in crc[mode])
+
+    with_cpu, without_cpu = median_of("with_crc32", "cpu_s"), median_of("without_crc32", "cpu_s")
+    return (
+        f"What torch's CRC-32 costs: one `torch.save` of {crc['megabytes']} MB (no fsync), median of "
+        f"{len(crc['with_crc32'])}: {with_cpu:.2f} CPU-s ({median_of('with_crc32', 'wall_s'):.2f} s wall) with it, "
+        f"{without_cpu:.2f} CPU-s ({median_of('without_crc32', 'wall_s'):.2f} s wall) without it, "
+        f"x{with_cpu / without_cpu:.1f}. `torch.load` never reads the CRC, so both writers leave it out "
+        "(`without_crc32`)."
+    )
 
 
 def idle_cpu_sentence(stall: dict) -> str:
@@ -302,6 +343,7 @@ def main() -> None:
     parser.add_argument("--saves-per-run", type=int, default=2, help="saves in each throughput run")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="process counts for scaling")
     parser.add_argument("--smaller-sizes", type=int, choices=(0, 1, 2), default=2, help="smaller models for scaling")
+    parser.add_argument("--crc-megabytes", type=int, default=512, help="size of the CRC-32 cost measurement")
     parser.add_argument("--work-dir", default=None, help="where checkpoints are written (default: a temp folder)")
     add_results_options(parser, RESULTS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one rank
@@ -327,6 +369,7 @@ def main() -> None:
     middle = smaller[-1] if smaller else (hidden, layers)
     scaling += [run_group(args, work, *middle, p, scaling=True) for p in args.processes if p != 2]
     results = {"stall": stall, "summary": summarize(stall), "scaling": scaling}
+    results["crc"] = crc_cost(work, args.crc_megabytes, repeats=3)
     print(render_body(results))
     save_and_publish(args, results, render_sections, DOCS)
     if not args.work_dir:

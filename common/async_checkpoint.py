@@ -42,7 +42,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +141,27 @@ def swaps_to_nvme(engine: Any) -> bool:
     return any(getattr(offload, "device", None) == "nvme" for offload in offloads)
 
 
+@contextlib.contextmanager
+def without_crc32() -> Iterator[None]:
+    """``torch.save`` without the CRC-32 of every record in its zip file, for the duration.
+
+    The CRC costs more CPU than the rest of a save (measured by bench/checkpoint.py) and protects nothing on the
+    way back: ``torch.load`` never checks it, so a damaged byte loads silently with or without it (both pinned by
+    tests/unit/test_async_checkpoint.py). The files are the same zip format, read by every loader as before.
+    """
+    try:
+        from torch.utils.serialization import config  # torch >= 2.6; before it, every save computes the CRC
+    except ImportError:
+        yield
+        return
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = before
+
+
 def fsync_tree(folder: Path) -> None:
     """Flush every file under ``folder`` and the folders themselves to disk.
 
@@ -219,7 +240,8 @@ class Checkpointer:
         """
         start = time.perf_counter()
         folder = tmp_checkpoint_dir(self.out_dir, step)
-        write(folder)
+        with without_crc32():
+            write(folder)
         fsync_tree(folder)  # on disk before `latest` can name it: a power loss must not leave it pointing at holes
         self.barrier()
         if self.rank == 0:
@@ -380,7 +402,8 @@ class AsyncCheckpointer(Checkpointer):
         self._copied.set()  # the optimizer may change the live tensors from here on
         for state, path, zipfile_serialization in self._files:
             time.sleep(self._write_delay_s)
-            torch.save(state, path, _use_new_zipfile_serialization=zipfile_serialization)
+            with without_crc32():
+                torch.save(state, path, _use_new_zipfile_serialization=zipfile_serialization)
         fsync_tree(folder)
         self._mark_written(folder)
         if self.rank == 0:

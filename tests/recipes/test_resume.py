@@ -17,7 +17,7 @@ import pytest
 import yaml
 from _util import PYTHON, REPO, accelerate_launch, free_port, run, subprocess_env
 
-from common.async_checkpoint import MARKER, WRITE_DELAY_ENV
+from common.async_checkpoint import COPY_DELAY_ENV, MARKER, WRITE_DELAY_ENV
 from common.checkpoint import latest_checkpoint
 from common.resume import RESUMABLE_KEYS, config_differences, saved_world_size
 from common.rundir import read_metrics
@@ -156,7 +156,10 @@ def step_8_write_in_flight(out_dir: Path) -> bool:
 @pytest.mark.slow
 def test_sigkill_during_an_asynchronous_write_keeps_the_last_checkpoint_and_resume_reproduces_the_losses(tmp_path):
     """async_save=true, every file write slowed to 3 s: rank 1 is killed while step 8's write is in flight and the
-    training loop has gone past it. latest must still name step 4, and the resumed run equal the reference."""
+    training loop has gone past it. latest must still name step 4, and the resumed run equal the reference.
+
+    The copy to host memory is slowed too (0.5 s per file), so that it is still pending when the step after a save
+    updates the weights: the resume reproduces the losses only if that update waited for the copy."""
     reference = tmp_path / "reference"
     launch("lightning", args(reference, max_steps=16, checkpoint_interval=4))  # synchronous saves
     expected = losses(reference)
@@ -170,7 +173,7 @@ def test_sigkill_during_an_asynchronous_write_keeps_the_last_checkpoint_and_resu
             step=9,  # training went on past the step-8 save while it was being written
             timeout_s=60,
             ready=step_8_write_in_flight,
-            env={WRITE_DELAY_ENV: "3"},
+            env={WRITE_DELAY_ENV: "3", COPY_DELAY_ENV: "0.5"},
             async_save="true",
         )
         assert code != 0, backend

@@ -14,12 +14,20 @@ import collections
 import os
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from common.async_checkpoint import MARKER, AsyncCheckpointer, Checkpointer, snapshot, snapshot_engine
+from common.async_checkpoint import (
+    MARKER,
+    AsyncCheckpointer,
+    Checkpointer,
+    snapshot,
+    snapshot_engine,
+    without_crc32,
+)
 from common.checkpoint import latest_checkpoint
 
 
@@ -209,3 +217,45 @@ def test_a_rank_never_touches_its_folder_by_path_once_its_marker_is_visible(tmp_
     rank1.finish()  # raises "background checkpoint write failed" if rank 1 lost the race
     rank0.finish()
     assert latest_checkpoint(tmp_path).name == "step_000004"
+
+
+def data_record_crcs(path: Path) -> list[int]:
+    """The CRC-32 fields of a torch file's tensor-data records (0 where torch.save did not compute them)."""
+    with zipfile.ZipFile(path) as archive:
+        return [info.CRC for info in archive.infolist() if "/data/" in info.filename]
+
+
+def test_torch_load_never_checks_the_crc32_which_is_why_the_writers_skip_it(tmp_path):
+    """The premise of ``without_crc32``: a flipped byte in a file saved with its CRC loads without error."""
+    tensor = torch.arange(1_000_000, dtype=torch.float32)
+    path = tmp_path / "with_crc.pt"
+    torch.save({"t": tensor}, path)
+    assert all(data_record_crcs(path))  # torch.save computed them
+    damaged = bytearray(path.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF  # inside the tensor's 4 MB
+    path.write_bytes(bytes(damaged))
+    assert not torch.equal(torch.load(path, weights_only=True)["t"], tensor)  # no error: the CRC is never read
+
+    with without_crc32():
+        torch.save({"t": tensor}, tmp_path / "without_crc.pt")
+    assert data_record_crcs(tmp_path / "without_crc.pt") == [0]
+    assert torch.equal(torch.load(tmp_path / "without_crc.pt", weights_only=True)["t"], tensor)
+    torch.save({"t": tensor}, tmp_path / "after.pt")
+    assert all(data_record_crcs(tmp_path / "after.pt"))  # the setting was given back
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_both_writers_save_without_the_crc32(tmp_path, asynchronous):
+    kind = AsyncCheckpointer if asynchronous else Checkpointer
+    checkpointer = kind(tmp_path, 0, 1, keep_last=1, keep_every=0, barrier=no_barrier)
+    checkpointer.save(2, writer(checkpointer, {"w": torch.ones(1000)}) if asynchronous else plain_writer)
+    checkpointer.finish()
+    files = list(latest_checkpoint(tmp_path).rglob("*.pt"))
+    assert files and all(data_record_crcs(path) == [0] for path in files)
+    assert torch.load(files[0], weights_only=True)["w"].tolist() == [1.0] * 1000
+
+
+def plain_writer(folder: Path) -> None:
+    """What DeepSpeed's own (synchronous) checkpoint engine does: ``torch.save`` into the folder."""
+    folder.mkdir(parents=True)
+    torch.save({"w": torch.ones(1000)}, folder / "rank0_states.pt")
