@@ -11,6 +11,8 @@ A write is held in flight deterministically by a state object whose pickling wai
 from __future__ import annotations
 
 import collections
+import fcntl
+import mmap
 import os
 import threading
 import time
@@ -24,6 +26,7 @@ from common.async_checkpoint import (
     MARKER,
     AsyncCheckpointer,
     Checkpointer,
+    DirectFile,
     snapshot,
     snapshot_engine,
     without_crc32,
@@ -259,3 +262,24 @@ def plain_writer(folder: Path) -> None:
     """What DeepSpeed's own (synchronous) checkpoint engine does: ``torch.save`` into the folder."""
     folder.mkdir(parents=True)
     torch.save({"w": torch.ones(1000)}, folder / "rank0_states.pt")
+
+
+@pytest.mark.parametrize("sizes", [[0], [100], [8192], [8192, 8192, 5], [3, 20000, 1, 4095]])
+def test_direct_file_writes_every_byte_through_its_aligned_buffer(tmp_path, sizes):
+    """Chunks smaller than, equal to and larger than the buffer (8 KiB here), and an unaligned tail."""
+    chunks = [os.urandom(n) for n in sizes]
+    direct = DirectFile(tmp_path / "f.bin", mmap.mmap(-1, 8192))
+    if os.uname().sysname == "Linux" and os.statvfs(tmp_path).f_bsize <= DirectFile.ALIGN:
+        assert fcntl.fcntl(direct.fd, fcntl.F_GETFL) & os.O_DIRECT  # the page cache is bypassed
+    assert [direct.write(chunk) for chunk in chunks] == sizes
+    direct.close()
+    assert (tmp_path / "f.bin").read_bytes() == b"".join(chunks)
+
+
+def test_a_torch_save_through_a_direct_file_loads_as_saved(tmp_path):
+    state = {"w": torch.randn(3000), "ids": torch.arange(7), "step": 5}
+    direct = DirectFile(tmp_path / "s.pt", mmap.mmap(-1, 8192))
+    torch.save(state, direct)
+    direct.close()
+    loaded = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["ids"], state["ids"]) and loaded["step"] == 5
