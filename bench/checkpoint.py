@@ -160,23 +160,45 @@ def worker(args: argparse.Namespace) -> None:
 # --- the driver ---------------------------------------------------------------------------------------------------
 
 
-def crc_cost(work: Path, megabytes: int, repeats: int) -> dict:
-    """CPU and wall seconds of one ``torch.save`` of ``megabytes`` of fp32, with torch's CRC-32 of every record and
-    without it (``common.async_checkpoint.without_crc32``, what both writers use), interleaved; no fsync."""
+WRITE_MODES = {  # how one file is saved: DeepSpeed's own call, then what the writers change, one thing at a time
+    "torch_save": "`torch.save` as DeepSpeed calls it",
+    "without_crc32": "without the CRC-32 (both writers)",
+    "direct": "without it and past the page cache (`DirectFile`, the background writer)",
+}
+
+
+def write_cost(work: Path, megabytes: int, repeats: int) -> dict:
+    """CPU and wall seconds of saving ``megabytes`` of fp32 to one file and flushing it (``fsync``), in each of
+    ``WRITE_MODES``, interleaved, ``repeats`` times each (the training thread's CPU time: the kernel's work on the
+    writer's behalf, page-cache pages included, is in it)."""
+    import mmap
+
     import torch
 
-    from common.async_checkpoint import without_crc32
+    from common.async_checkpoint import DIRECT_BUFFER_BYTES, DirectFile, without_crc32
+    from common.rundir import fsync_path
 
-    tensor = torch.randn(megabytes * 2**20 // 4, generator=torch.Generator().manual_seed(0))
-    path = work / "crc.pt"
-    times: dict[str, list[dict]] = {"with_crc32": [], "without_crc32": []}
+    state = {"t": torch.randn(megabytes * 2**20 // 4, generator=torch.Generator().manual_seed(0))}
+    buffer = mmap.mmap(-1, DIRECT_BUFFER_BYTES)
+    path = work / "write-cost.pt"
+
+    def save(mode: str) -> None:
+        if mode == "direct":
+            direct = DirectFile(path, buffer)
+            with without_crc32():
+                torch.save(state, direct)
+            direct.close()  # flushes
+            return
+        with without_crc32() if mode == "without_crc32" else contextlib.nullcontext():
+            torch.save(state, path)
+        fsync_path(path)
+
+    times: dict[str, list[dict]] = {mode: [] for mode in WRITE_MODES}
     for _ in range(repeats):
-        for mode in times:
+        for mode in WRITE_MODES:
             path.unlink(missing_ok=True)
-            context = without_crc32() if mode == "without_crc32" else contextlib.nullcontext()
             wall, cpu = time.perf_counter(), time.thread_time()
-            with context:
-                torch.save({"t": tensor}, path)
+            save(mode)
             times[mode].append({"wall_s": time.perf_counter() - wall, "cpu_s": time.thread_time() - cpu})
     path.unlink(missing_ok=True)
     return {"megabytes": megabytes, **times}
@@ -274,7 +296,7 @@ def render_body(results: dict) -> str:
         "",
         idle_cpu_sentence(stall),
         "",
-        crc_sentence(results["crc"]),
+        write_cost_sentence(results["write_cost"]),
         "",
         "Synchronous save time by model size and process count (the same writer, nothing else running):",
         "",
@@ -291,19 +313,20 @@ def render_body(results: dict) -> str:
     return "\n".join(lines)
 
 
-def crc_sentence(crc: dict) -> str:
-    """What torch's CRC-32 costs a save, which both writers leave out (torch.load never checks it)."""
+def write_cost_sentence(cost: dict) -> str:
+    """What each of the writers' changes to a file's save is worth, from ``write_cost``'s figures."""
 
     def median_of(mode: str, key: str) -> float:
-        return statistics.median(run[key] for run in crc[mode])
+        return statistics.median(run[key] for run in cost[mode])
 
-    with_cpu, without_cpu = median_of("with_crc32", "cpu_s"), median_of("without_crc32", "cpu_s")
+    parts = [
+        f"{label}: {median_of(mode, 'cpu_s'):.2f} CPU-s ({median_of(mode, 'wall_s'):.2f} s wall)"
+        for mode, label in WRITE_MODES.items()
+    ]
     return (
-        f"What torch's CRC-32 costs: one `torch.save` of {crc['megabytes']} MB (no fsync), median of "
-        f"{len(crc['with_crc32'])}: {with_cpu:.2f} CPU-s ({median_of('with_crc32', 'wall_s'):.2f} s wall) with it, "
-        f"{without_cpu:.2f} CPU-s ({median_of('without_crc32', 'wall_s'):.2f} s wall) without it, "
-        f"x{with_cpu / without_cpu:.1f}. `torch.load` never reads the CRC, so both writers leave it out "
-        "(`without_crc32`)."
+        f"What one file's save costs, {cost['megabytes']} MB of fp32 with its fsync, median of "
+        f"{len(cost['torch_save'])} interleaved: " + "; ".join(parts) + ". `torch.load` never reads the CRC-32, so "
+        "leaving it out loses nothing."
     )
 
 
@@ -343,7 +366,7 @@ def main() -> None:
     parser.add_argument("--saves-per-run", type=int, default=2, help="saves in each throughput run")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="process counts for scaling")
     parser.add_argument("--smaller-sizes", type=int, choices=(0, 1, 2), default=2, help="smaller models for scaling")
-    parser.add_argument("--crc-megabytes", type=int, default=512, help="size of the CRC-32 cost measurement")
+    parser.add_argument("--write-megabytes", type=int, default=1024, help="file size of the write-cost measurement")
     parser.add_argument("--work-dir", default=None, help="where checkpoints are written (default: a temp folder)")
     add_results_options(parser, RESULTS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one rank
@@ -369,7 +392,7 @@ def main() -> None:
     middle = smaller[-1] if smaller else (hidden, layers)
     scaling += [run_group(args, work, *middle, p, scaling=True) for p in args.processes if p != 2]
     results = {"stall": stall, "summary": summarize(stall), "scaling": scaling}
-    results["crc"] = crc_cost(work, args.crc_megabytes, repeats=3)
+    results["write_cost"] = write_cost(work, args.write_megabytes, repeats=3)
     print(render_body(results))
     save_and_publish(args, results, render_sections, DOCS)
     if not args.work_dir:

@@ -150,7 +150,7 @@ def swaps_to_nvme(engine: Any) -> bool:
 def without_crc32() -> Iterator[None]:
     """``torch.save`` without the CRC-32 of every record in its zip file, for the duration.
 
-    The CRC costs more CPU than the rest of a save (measured by bench/checkpoint.py) and protects nothing on the
+    The CRC costs CPU time (measured by bench/checkpoint.py) and protects nothing on the
     way back: ``torch.load`` never checks it, so a damaged byte loads silently with or without it (both pinned by
     tests/unit/test_async_checkpoint.py). The files are the same zip format, read by every loader as before.
     """
@@ -170,13 +170,13 @@ def without_crc32() -> Iterator[None]:
 class DirectFile:
     """A file ``torch.save`` writes to that bypasses the page cache (``O_DIRECT``), through an aligned buffer.
 
-    A buffered write copies every byte into the page cache, and on this machine (a VM) getting the page-cache
-    pages costs several times the copy itself: 0.6-3.6 CPU-seconds per 1.28 GB measured, against 0.2 this way
-    (``bench/checkpoint.py``'s writer CPU per save). The background writer spends that CPU on the cores training
-    needs, so it is what an asynchronous save costs the steps around it. ``O_DIRECT`` wants the memory, the length
-    and the file offset aligned to the block size: the bytes go through an ``mmap``-ed buffer (page-aligned), which
-    is written whole each time it fills; the last, unaligned part is written with ``O_DIRECT`` cleared. The file is
-    flushed (``fsync``) on close. Where ``O_DIRECT`` is refused (tmpfs, macOS) it is a buffered file.
+    A buffered write copies every byte into the page cache, and the kernel's work on those pages costs CPU time of
+    its own (``bench/checkpoint.py`` measures both ways). The background writer
+    spends that CPU on the cores training needs, so it is what an asynchronous save costs the steps around it.
+    ``O_DIRECT`` wants the memory, the length and the file offset aligned to the block size: the bytes go through
+    an ``mmap``-ed buffer (page-aligned), which is written whole each time it fills; the last, unaligned part is
+    written with ``O_DIRECT`` cleared. The file is flushed (``fsync``) on close. Where ``O_DIRECT`` is refused
+    (tmpfs, macOS) it is a buffered file.
 
     Args:
         path: the file to write (created or truncated).
