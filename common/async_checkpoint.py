@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import fcntl
 import mmap
 import os
@@ -212,17 +213,25 @@ class DirectFile:
         try:
             aligned = self.filled // self.ALIGN * self.ALIGN
             self._write_out(self.view[:aligned])
-            flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~getattr(os, "O_DIRECT", 0))  # the unaligned tail
+            self._buffered()  # for the unaligned tail
             self._write_out(self.view[aligned : self.filled])
             os.fsync(self.fd)
         finally:
             os.close(self.fd)
 
+    def _buffered(self) -> None:
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~getattr(os, "O_DIRECT", 0))
+
     def _write_out(self, data: memoryview) -> None:
         done = 0
         while done < len(data):  # a write may take fewer bytes than it is given
-            done += os.write(self.fd, data[done:])
+            try:
+                done += os.write(self.fd, data[done:])
+            except OSError as error:  # a file system that opens O_DIRECT but wants another alignment: buffered
+                if error.errno != errno.EINVAL or not fcntl.fcntl(self.fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+                    raise
+                self._buffered()
 
 
 def fsync_tree(folder: Path) -> None:
