@@ -370,7 +370,7 @@ class AsyncCheckpointer(Checkpointer):
         self._hooked: set[int] = set()  # ids of the torch optimizers that wait for the copy before they step
         self._copied = threading.Event()  # the last save's tensors are all in host memory
         self._copied.set()
-        self._files: list[tuple] = []  # the last save's files, copied and waiting to be written (writer thread)
+        self._files: list[tuple] = []  # the last save's files: queued, then copied, then written (writer thread)
         self._direct_buffer = mmap.mmap(-1, DIRECT_BUFFER_BYTES)  # DirectFile's, allocated once
         self._pending_bytes = 0
         self._queue: queue.Queue = queue.Queue()
@@ -463,14 +463,15 @@ class AsyncCheckpointer(Checkpointer):
             return
         if self._cpu_start is None:
             self._cpu_start = time.thread_time()
-        if item[0] == "file":  # copy what the save call left by reference; written once every file is copied
-            _, state, path, zipfile_serialization = item
-            time.sleep(self._copy_delay_s)
-            state, nbytes = snapshot(state, self._pool, (Path(path).name,))
-            self._pending_bytes += nbytes
-            self._files.append((state, path, zipfile_serialization))
+        if item[0] == "file":  # kept until the save call has returned: the copy does not compete with it
+            self._files.append(item[1:])
             return
         _, step, folder, snapshotted_at = item
+        for index, (state, path, zipfile_serialization) in enumerate(self._files):
+            time.sleep(self._copy_delay_s)
+            state, nbytes = snapshot(state, self._pool, (Path(path).name,))  # what the save call left by reference
+            self._pending_bytes += nbytes
+            self._files[index] = (state, path, zipfile_serialization)
         self.snapshot_bytes = max(self.snapshot_bytes, self._pending_bytes)
         self._copied.set()  # the optimizer may change the live tensors from here on
         for state, path, zipfile_serialization in self._files:
