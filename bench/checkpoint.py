@@ -394,7 +394,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--saves", type=int, default=5, help="saves per mode in the stall measurement (>= 2)")
     parser.add_argument("--steps-between", type=int, default=3, help="training steps after each stall save")
-    parser.add_argument("--repeats", type=int, default=2, help="repetitions of the throughput runs")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions of the throughput runs")
     parser.add_argument("--saves-per-run", type=int, default=2, help="saves in each throughput run")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="process counts for scaling")
     parser.add_argument("--smaller-sizes", type=int, choices=(0, 1, 2), default=2, help="smaller models for scaling")

@@ -22,9 +22,9 @@ A synchronous DeepSpeed save stops every rank for the whole write (guide 2, 8; D
   at any point leaves ``latest`` naming the previous complete checkpoint.
 
 Without a torch optimizer to hook (or with ZeRO's NVMe swapping, which moves the state between saves and steps)
-every tensor is copied in the save call, as before. The writer thread runs at a lower CPU priority (``nice``
-+10, per thread on Linux): on a host whose cores training keeps busy, the copy and the write take the cycles the
-training threads leave (while they wait in a collective) before any they would use.
+every tensor is copied in the save call, as before. The writer thread runs only on CPU time nobody else wants
+(:func:`run_when_idle`, ``SCHED_IDLE``): on a host whose cores training keeps busy, the copy and the write take the
+cycles the training threads leave (while they wait in a collective), not theirs.
 
 At most one save is in flight per rank: a save waits for the previous one to be written and published first (never
 two writers on one folder), so host memory for snapshots is bounded by one checkpoint's share of the rank
@@ -60,7 +60,7 @@ MARKER = ".written-rank"
 WRITE_DELAY_ENV = "ZERO_RECIPES_TEST_CHECKPOINT_WRITE_DELAY_S"
 COPY_DELAY_ENV = "ZERO_RECIPES_TEST_CHECKPOINT_COPY_DELAY_S"
 DIRECT_BUFFER_BYTES = 32 * 2**20  # the writer's bounce buffer for O_DIRECT (a multiple of the block size)
-WRITER_NICE = 10  # the writer thread's CPU priority below training's (Linux: per thread)
+WRITER_NICE = 10  # the writer thread's CPU priority below training's where SCHED_IDLE is not available
 PUBLISH_POLL_S = 0.05
 
 
@@ -271,6 +271,19 @@ def snapshot_engine(checkpointer: AsyncCheckpointer, replaced: Any) -> Any:
     return engine
 
 
+def run_when_idle() -> None:
+    """Give the calling thread only the CPU time no other thread wants (Linux: ``SCHED_IDLE``, per thread; elsewhere
+    a lower priority where it is allowed). The writer then takes the cycles the training threads leave while they
+    wait in a collective, not theirs; when training waits for the writer (the next save, or the copy before an
+    update), the training threads sleep and the writer runs, so it is never starved for good."""
+    thread = threading.get_native_id()
+    try:
+        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, 0) + WRITER_NICE)
+
+
 class Checkpointer:
     """The synchronous save: every rank writes and fsyncs, a barrier, rank 0 publishes, a barrier; the loop waits for
     the disk.
@@ -443,8 +456,8 @@ class AsyncCheckpointer(Checkpointer):
     # --- the writer thread ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        with contextlib.suppress(OSError):  # Linux sets a nice value per thread; elsewhere this may be refused
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + WRITER_NICE)
+        run_when_idle()
+
         while True:
             item = self._queue.get()
             try:
