@@ -10,13 +10,17 @@
    training steps between saves. Per save, the time the training loop was blocked, the slowest rank's (the next
    collective waits for it). ``stall_ratio`` = median blocked per asynchronous save / median synchronous save.
 2. **Throughput**: the same number of steps without saves, with a synchronous save every N steps and with an
-   asynchronous one every N steps, interleaved per repetition; N is chosen from step 1's figures so that a
-   synchronous save costs at least 20 % of the run. Wall time and CPU time of the training thread per step
-   (``time.thread_time``: the background writer's CPU is not in it, and on a machine with fewer free cores than
-   ranks x 2 the writer competes with training for them: the wall-clock ratio shows that).
-3. **Scaling**: synchronous save time for three model sizes on 2 processes, and for 1, 2 and 4 processes on the
+   asynchronous one every N steps, interleaved per repetition; at N = 1 and at the N predicted from step 1's
+   figures to make a synchronous save cost at least 20 % of the run; the bar is judged at the largest N whose
+   synchronous save measured that floor. Wall time per step, CPU time of the training thread
+   (``time.thread_time``: the background writer's CPU is not in it) and of the whole rank (``time.process_time``),
+   and the writer thread's CPU per save: on a machine with fewer free cores than ranks x 2 the writer competes
+   with training for them, and the wall-clock ratio shows that.
+3. **Write cost** of one file, three ways: ``torch.save`` as DeepSpeed calls it, without the CRC-32, and past the
+   page cache as well (``save_direct``, what the background writer does).
+4. **Scaling**: synchronous save time for three model sizes on 2 processes, and for 1, 2 and 4 processes on the
    middle size.
-4. Writes bench/results/checkpoint.json (``write_results``: provenance included) and renders the "checkpoint saves"
+5. Writes bench/results/checkpoint.json (``write_results``: provenance included) and renders the "checkpoint saves"
    section of docs/checkpoints.md from that file alone.
 """
 
@@ -180,7 +184,7 @@ def write_cost(work: Path, megabytes: int, repeats: int) -> dict:
 
     import torch
 
-    from common.async_checkpoint import DIRECT_BUFFER_BYTES, DirectFile, without_crc32
+    from common.async_checkpoint import DIRECT_BUFFER_BYTES, save_direct, without_crc32
     from common.rundir import fsync_path
 
     state = {"t": torch.randn(megabytes * 2**20 // 4, generator=torch.Generator().manual_seed(0))}
@@ -189,10 +193,7 @@ def write_cost(work: Path, megabytes: int, repeats: int) -> dict:
 
     def save(mode: str) -> None:
         if mode == "direct":
-            direct = DirectFile(path, buffer)
-            with without_crc32():
-                torch.save(state, direct)
-            direct.close()  # flushes
+            save_direct(state, path, buffer)  # flushes
             return
         with without_crc32() if mode == "without_crc32" else contextlib.nullcontext():
             torch.save(state, path)
@@ -224,6 +225,11 @@ def run_group(args: argparse.Namespace, work: Path, hidden: int, layers: int, np
     shutil.rmtree(folder, ignore_errors=True)
     print(json.dumps({k: v for k, v in result.items() if k != "throughput"}), flush=True)
     return result
+
+
+def runs_at(stall: dict, every: int) -> dict[str, list[dict]]:
+    """The throughput runs (per mode, per repetition) of the save interval ``every``."""
+    return next(t["runs"] for t in stall["throughput"] if t["save_every"] == every)
 
 
 def slowdowns(runs: dict[str, list[dict]]) -> dict:
@@ -274,7 +280,7 @@ def verdict(median: float, upper: float, bar: float) -> str:
 def render_body(results: dict) -> str:
     stall, figures = results["stall"], results["summary"]
     judged = figures["judged_save_every"]
-    runs = next(t["runs"] for t in stall["throughput"] if t["save_every"] == judged)
+    runs = runs_at(stall, judged)
 
     def per_step(mode: str, key: str) -> str:
         return f"{statistics.median(run[key] for run in runs[mode]):.3f}"
@@ -301,7 +307,7 @@ def render_body(results: dict) -> str:
     ]
     for row in figures["throughput"]:
         every = row["save_every"]
-        these = next(t["runs"] for t in stall["throughput"] if t["save_every"] == every)
+        these = runs_at(stall, every)
 
         def wall(mode: str, runs: dict = these) -> str:
             return f"{statistics.median(run['wall_s_per_step'] for run in runs[mode]):.3f}"
@@ -365,7 +371,7 @@ def write_cost_sentence(cost: dict) -> str:
 def idle_cpu_sentence(stall: dict, every: int) -> str:
     """Whether the background write can hide in the CPU time training leaves idle: the cores' seconds per step
     minus what the ranks use without saves, against what the writer uses per save."""
-    runs = next(t["runs"] for t in stall["throughput"] if t["save_every"] == every)
+    runs = runs_at(stall, every)
     wall = statistics.median(run["wall_s_per_step"] for run in runs["none"])
     used = stall["world_size"] * statistics.median(run["process_cpu_s_per_step"] for run in runs["none"])
     idle = max(0.0, stall["cpu_cores"] * wall - used)

@@ -234,6 +234,17 @@ class DirectFile:
                 self._buffered()
 
 
+def save_direct(state: Any, path: str | Path, buffer: mmap.mmap, zipfile_serialization: bool = True) -> None:
+    """``torch.save`` of ``state`` to ``path`` the way the background writer saves: without the CRC-32, past the page
+    cache (:class:`DirectFile` through ``buffer``), flushed."""
+    direct = DirectFile(path, buffer)
+    try:
+        with without_crc32():
+            torch.save(state, direct, _use_new_zipfile_serialization=zipfile_serialization)
+    finally:
+        direct.close()
+
+
 def fsync_tree(folder: Path) -> None:
     """Flush every file under ``folder`` and the folders themselves to disk.
 
@@ -489,12 +500,7 @@ class AsyncCheckpointer(Checkpointer):
         self._copied.set()  # the optimizer may change the live tensors from here on
         for state, path, zipfile_serialization in self._files:
             time.sleep(self._write_delay_s)
-            direct = DirectFile(path, self._direct_buffer)
-            try:
-                with without_crc32():
-                    torch.save(state, direct, _use_new_zipfile_serialization=zipfile_serialization)
-            finally:
-                direct.close()
+            save_direct(state, path, self._direct_buffer, zipfile_serialization)
         fsync_tree(folder)
         self._mark_written(folder)
         if self.rank == 0:
