@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -145,6 +145,32 @@ def launch_group(
 def table_head(*columns: str) -> list[str]:
     """The header and rule lines of a Markdown table."""
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+@contextlib.contextmanager
+def environment(settings: dict[str, str | None]) -> Iterator[None]:
+    """The launched group inherits this process's environment (bench_env copies it): set, then restore."""
+    saved = {name: os.environ.get(name) for name in settings}
+    try:
+        for name, value in settings.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def rotated(items: tuple[str, ...], by: int) -> tuple[str, ...]:
+    """``items`` started at position ``by``: interleaved repetitions rotate the order of what they compare, so that
+    neither a load drift on this shared machine nor the position in a repetition favours one of them."""
+    by %= len(items)
+    return items[by:] + items[:by]
 
 
 def spread(values: list[float]) -> tuple[float, float]:

@@ -10,12 +10,12 @@
    training steps between saves. Per save, the time the training loop was blocked, the slowest rank's (the next
    collective waits for it). ``stall_ratio`` = median blocked per asynchronous save / median synchronous save.
 2. **Throughput**: the same number of steps without saves, with a synchronous save every N steps and with an
-   asynchronous one every N steps, interleaved per repetition; at N = 1 and at the N predicted from step 1's
-   figures to make a synchronous save cost at least 20 % of the run; the bar is judged at the largest N whose
-   synchronous save measured that floor. Wall time per step, CPU time of the training thread
-   (``time.thread_time``: the background writer's CPU is not in it) and of the whole rank (``time.process_time``),
-   and the writer thread's CPU per save: on a machine with fewer free cores than ranks x 2 the writer competes
-   with training for them, and the wall-clock ratio shows that.
+   asynchronous one every N steps, interleaved per repetition (the order rotated from one repetition to the next);
+   at N = 1 and at the N predicted from step 1's figures to make a synchronous save cost at least 20 % of the run;
+   the bar is judged at the largest N whose synchronous save measured that floor. Wall time per step, CPU time of
+   the training thread (``time.thread_time``: the background writer's CPU is not in it) and of the whole rank
+   (``time.process_time``), and the writer thread's CPU per save: on a machine with fewer free cores than ranks x 2
+   the writer competes with training for them, and the wall-clock ratio shows that.
 3. **Write cost** of one file, three ways: ``torch.save`` as DeepSpeed calls it, without the CRC-32, and past the
    page cache as well (``save_direct``, what the background writer does).
 4. **Scaling**: synchronous save time for three model sizes on 2 processes, and for 1, 2 and 4 processes on the
@@ -41,7 +41,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench._bench_util import REPO, add_results_options, launch_group, render_from_file, save_and_publish, spread  # noqa: E402
+from bench._bench_util import (  # noqa: E402
+    REPO,
+    add_results_options,
+    launch_group,
+    render_from_file,
+    rotated,
+    save_and_publish,
+    spread,
+)
 from common.errors import exit_on_user_error  # noqa: E402
 
 RESULTS = HERE / "results" / "checkpoint.json"
@@ -76,7 +84,9 @@ def worker(args: argparse.Namespace) -> None:
 
     from bench.export_memory import zero3_llama_engine
     from common.async_checkpoint import AsyncCheckpointer, Checkpointer
+    from common.host_memory import keep_freed_memory
 
+    keep_freed_memory()  # as in the recipes' processes (the factory's adapters call it)
     engine = zero3_llama_engine(args.hidden_size, args.layers, args.vocab)
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = torch.randint(0, args.vocab, (1, args.seq_len), generator=torch.Generator().manual_seed(rank))
@@ -109,8 +119,8 @@ def worker(args: argparse.Namespace) -> None:
     def throughput_runs(every: int) -> dict[str, list[dict]]:
         """Per mode, per repetition: wall and CPU time per step over a run that saves every ``every`` steps."""
         runs: dict[str, list[dict]] = {"none": [], "sync": [], "async": []}
-        for _ in range(args.repeats):
-            for mode in ("none", "sync", "async"):
+        for repetition in range(args.repeats):
+            for mode in rotated(("none", "sync", "async"), repetition):
                 writers["async"].finish()
                 dist.barrier()
                 wall, cpu, process_cpu = time.perf_counter(), time.thread_time(), time.process_time()
@@ -400,7 +410,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--saves", type=int, default=5, help="saves per mode in the stall measurement (>= 2)")
     parser.add_argument("--steps-between", type=int, default=3, help="training steps after each stall save")
-    parser.add_argument("--repeats", type=int, default=3, help="repetitions of the throughput runs")
+    parser.add_argument("--repeats", type=int, default=5, help="repetitions of the throughput runs")
     parser.add_argument("--saves-per-run", type=int, default=2, help="saves in each throughput run")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="process counts for scaling")
     parser.add_argument("--smaller-sizes", type=int, choices=(0, 1, 2), default=2, help="smaller models for scaling")

@@ -24,26 +24,25 @@ provenance); the "hang-overhead" section of docs/benchmarks.md is rendered from 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
 from _bench_util import (  # noqa: E402
+    environment,
     launch_group,
     load_document,
     median,
     publish_sections,
+    rotated,
     spread,
     table_head,
     write_results,
 )
-from overhead import WARMUP, rotated, step_figures  # noqa: E402
+from overhead import WARMUP, step_figures  # noqa: E402
 
 from common.errors import nearest  # noqa: E402
 from common.hang import POLL_S, SWITCH_ENV  # noqa: E402
@@ -59,25 +58,6 @@ VARIANTS = {
 }
 MEASURES = {"cpu_ms": "CPU time", "wall_ms": "wall time"}  # the first is the verdict
 GOAL = 1.02
-
-
-@contextlib.contextmanager
-def environment(settings: dict[str, str | None]) -> Iterator[None]:
-    """The launched group inherits this process's environment (bench_env copies it): set, then restore."""
-    saved = {name: os.environ.get(name) for name in settings}
-    try:
-        for name, value in settings.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def run_group(backend: str, preset: str, variant: str, steps: int, out: Path) -> dict[str, float]:

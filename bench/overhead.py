@@ -1,6 +1,6 @@
 """Framework overhead: the NLP tiny model's training step through Lightning and Accelerate vs raw DeepSpeed.
 
-    python bench/overhead.py --reps 5 --steps 20 --profile     # stages 2 and 3, then a profile (~25 min)
+    python bench/overhead.py --reps 5 --steps 20 --profile     # stages 2 and 3, allocator, profile (~17 min)
     python bench/overhead.py --render                          # docs/benchmarks.md from the results file only
 
 Same model (Llama tiny, 5.3M params), same resolved DeepSpeed config, same data, 2 CPU processes
@@ -18,8 +18,12 @@ Two measures per step, side by side:
 - Wall time: rank 0's median step. Shown beside, because it is what a user waits for, and because overhead
   that is waiting rather than work (an extra barrier) would show only there.
 The goal (<= 1.05x raw DeepSpeed) holds for a preset and backend only when the upper end of the CPU-time
-spread is <= 1.05. ``--profile`` then runs one cProfiled group per backend (stage 3; rank 0, timed by the
-thread's CPU time) and tabulates where a step's time goes, by package.
+spread is <= 1.05. Every process, raw DeepSpeed's included, keeps the host memory a step frees
+(common/host_memory.py, as the recipes' processes do); beside the table, each backend's minor page faults per
+step, and (``--allocator-reps``) stage 2 under raw DeepSpeed and Lightning once more with glibc's default
+thresholds, which is where Lightning's stage-2 overhead went before. ``--profile`` then runs one cProfiled group
+per backend (the last preset; rank 0, timed by the thread's CPU time) and tabulates where a step's time goes, by
+package.
 
 bench/results/overhead.json is written by this script alone (bench/_bench_util.write_results, with
 provenance); the "overhead" and "overhead-profile" sections of docs/benchmarks.md are rendered from it by
@@ -38,16 +42,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
 from _bench_util import (  # noqa: E402
+    environment,
     launch_group,
     load_document,
     median,
     publish_sections,
+    rotated,
     spread,
     table_head,
     write_results,
 )
 
 from common.errors import nearest  # noqa: E402
+from common.host_memory import SWITCH_ENV as KEEP_FREED_MEMORY_ENV  # noqa: E402
 from common.presets import PRESET_NAMES  # noqa: E402
 
 BACKENDS = ("raw", "lightning", "accelerate")
@@ -56,6 +63,11 @@ MEASURES = {"cpu_ms": "CPU time", "wall_ms": "wall time"}  # the first is the ve
 WARMUP = 4
 GOAL = 1.05
 RESULTS = HERE / "results" / "overhead.json"
+# Where the stage-2 Lightning overhead went (page faults): one preset, raw DeepSpeed and Lightning, each with glibc's
+# default thresholds and with the host memory kept (common/host_memory.py), interleaved.
+ALLOCATOR_PRESET = "deepspeed_stage_2"
+ALLOCATOR_BACKENDS = ("raw", "lightning")
+ALLOCATOR_SETTINGS = {"glibc defaults": "off", "freed memory kept": None}  # ZR_KEEP_FREED_MEMORY
 # Where a function's file lives decides whose time it is (first match wins).
 AREAS = (
     ("lightning", ("/lightning/", "/lightning_fabric/", "/pytorch_lightning/", "/torchmetrics/")),
@@ -101,12 +113,9 @@ def step_figures(run: dict, warmup: int) -> dict[str, float]:
         "wall_ms": median(run["step_times"][warmup:]) * 1e3,
         "cpu_ms": sum(mean(r["cpu_step_times"][warmup:]) for r in ranks) * 1e3,
         "thread_cpu_ms": sum(mean(r["thread_cpu_step_times"][warmup:]) for r in ranks) * 1e3,
+        # minor page faults (both ranks): memory glibc gave back and the step maps again (common/host_memory.py)
+        "page_faults": sum(mean(r["page_faults_per_step"][warmup:]) for r in ranks),
     }
-
-
-def rotated(items: tuple[str, ...], by: int) -> tuple[str, ...]:
-    by %= len(items)
-    return items[by:] + items[:by]
 
 
 def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict[str, list[dict]]]:
@@ -124,6 +133,26 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict[str, li
                         f"wall {figures['wall_ms']:7.1f} ms/step",
                         flush=True,
                     )
+    return runs
+
+
+def measure_allocator(reps: int, steps: int) -> dict[str, dict[str, list[dict]]]:
+    """runs[setting][backend]: one figures dict per repetition, settings and backends in rotated order."""
+    runs: dict[str, dict[str, list[dict]]] = {s: {b: [] for b in ALLOCATOR_BACKENDS} for s in ALLOCATOR_SETTINGS}
+    groups = tuple(f"{setting}|{backend}" for setting in ALLOCATOR_SETTINGS for backend in ALLOCATOR_BACKENDS)
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(reps):
+            for group in rotated(groups, rep):
+                setting, backend = group.split("|")
+                with environment({KEEP_FREED_MEMORY_ENV: ALLOCATOR_SETTINGS[setting]}):
+                    run = run_group(backend, ALLOCATOR_PRESET, steps, Path(tmp) / f"{backend}.json")
+                figures = step_figures(run, WARMUP)
+                runs[setting][backend].append(figures)
+                print(
+                    f"rep {rep} {setting:>17} {backend:>10}: CPU {figures['cpu_ms']:7.1f} ms/step (both ranks), "
+                    f"{figures['page_faults']:8.0f} page faults/step",
+                    flush=True,
+                )
     return runs
 
 
@@ -250,6 +279,60 @@ def render_overhead(results: dict) -> str:
             f"(both ranks); the backends' CPU-time ratios spread over {min(c['min'] for c in cpus):.3f}-"
             f"{max(c['max'] for c in cpus):.3f}, their wall-time ratios over {min(w['min'] for w in walls):.3f}-"
             f"{max(w['max'] for w in walls):.3f}.",
+            *(["", sentence] if (sentence := page_fault_sentence(runs)) else []),
+        ]
+    )
+
+
+def page_fault_sentence(runs: dict[str, dict[str, list[dict]]]) -> str:
+    """Minor page faults per step, median over repetitions, per preset and backend (CPU time the allocator costs)."""
+    parts = [
+        f"{preset}: " + ", ".join(f"{b} {median([r['page_faults'] for r in by_backend[b]]):,.0f}" for b in BACKENDS)
+        for preset, by_backend in runs.items()
+        if all("page_faults" in r for b in BACKENDS for r in by_backend[b])
+    ]
+    if not parts:
+        return ""
+    return (
+        "Minor page faults per step (both ranks, median over the repetitions): " + "; ".join(parts) + ". Every "
+        "process, raw DeepSpeed's included, keeps the host memory a step frees for the next "
+        "(`common.host_memory.keep_freed_memory`, which the factory's adapters call); the table below shows what "
+        "glibc's defaults cost."
+    )
+
+
+def render_allocator(allocator: dict) -> str:
+    """Page faults and CPU time per step with glibc's defaults and with freed memory kept, and Lightning / raw."""
+    runs, preset = allocator["runs"], allocator["preset"]
+    lines = table_head(
+        "host memory",
+        "raw: page faults / step",
+        "lightning: page faults / step",
+        "raw: CPU ms / step",
+        "lightning / raw, CPU time: median (min-max)",
+    )
+    for setting, by_backend in runs.items():
+        faults = {b: median([r["page_faults"] for r in by_backend[b]]) for b in ALLOCATOR_BACKENDS}
+        summary = summarize({"raw": by_backend["raw"], "lightning": by_backend["lightning"]}, "lightning")
+        lines.append(
+            f"| {setting} | {faults['raw']:,.0f} | {faults['lightning']:,.0f} | "
+            f"{median([r['cpu_ms'] for r in by_backend['raw']]):.0f} | {ratio_cell(summary['cpu_ms'])} |"
+        )
+    reps = len(next(iter(runs.values()))["raw"])
+    return "\n".join(
+        [
+            f"Where the time went ({preset}): a minor page fault is a page of memory the kernel maps and zeroes "
+            "because the process gave it back to the kernel and asks for it again. glibc gives back memory that is "
+            "free at the top of its heap and serves large requests with fresh mappings, both under thresholds that "
+            "move with what the program freed before, so how often a training step faults depends on the order in "
+            "which a loop frees its tensors, not on the arithmetic. With glibc's defaults Lightning's loop faulted "
+            "more than raw DeepSpeed's, and paid for it in CPU time; with the freed memory kept "
+            "(`common.host_memory.keep_freed_memory`: fixed thresholds) neither faults, and the difference goes.",
+            "",
+            *lines,
+            "",
+            f"{reps} interleaved repetitions (order rotated), each a fresh 2-process group "
+            "(`ZR_KEEP_FREED_MEMORY=off` for glibc's defaults), page faults and CPU time summed over both ranks.",
         ]
     )
 
@@ -297,6 +380,8 @@ def render_sections(document: dict) -> dict[str, str]:
     """
     results = document["results"]
     sections = {"overhead": render_overhead(results)}
+    if results.get("allocator"):
+        sections["overhead"] += "\n\n" + render_allocator(results["allocator"])
     if results.get("profile"):
         sections["overhead-profile"] = render_profile(results["profile"]) + "\n\n" + reading(results)
     return sections
@@ -352,6 +437,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help=f"optimizer steps per run, the first {WARMUP} warm-up")
     parser.add_argument("--profile", action="store_true", help="after measuring, profile the last preset per backend")
     parser.add_argument("--profile-steps", type=int, default=12)
+    parser.add_argument(
+        "--allocator-reps",
+        type=int,
+        default=3,
+        help=f"repetitions of {ALLOCATOR_PRESET} (raw, Lightning) with glibc's default thresholds and with freed "
+        "host memory kept (0: skip)",
+    )
     parser.add_argument("--render", action="store_true", help="re-render docs/benchmarks.md from the results file only")
     args = parser.parse_args()
     if args.render:
@@ -362,13 +454,18 @@ def main() -> None:
         write_docs(document)
         return
     presets = parse_presets(parser, args.presets)
-    if args.reps < 1 or args.steps <= WARMUP or args.profile_steps <= WARMUP:
-        parser.error(f"need --reps >= 1, and --steps and --profile-steps > {WARMUP} (the warm-up steps)")
+    if args.reps < 1 or args.allocator_reps < 0 or args.steps <= WARMUP or args.profile_steps <= WARMUP:
+        parser.error(
+            f"need --reps >= 1, --allocator-reps >= 0, and --steps and --profile-steps > {WARMUP} (the warm-up steps)"
+        )
     results = {
         "settings": {"presets": presets, "reps": args.reps, "steps": args.steps, "warmup": WARMUP, "goal": GOAL},
         "runs": measure(presets, args.reps, args.steps),
+        "allocator": None,
         "profile": None,
     }
+    if args.allocator_reps > 0:
+        results["allocator"] = {"preset": ALLOCATOR_PRESET, "runs": measure_allocator(args.allocator_reps, args.steps)}
     document = write_results(RESULTS, results)  # kept should the profile fail
     if args.profile:
         results["profile"] = profile(presets[-1], args.profile_steps)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, nearest
+from common.host_memory import keep_freed_memory
 from common.memory_formulas import MIN_SWAPPED_BYTES, nvme_swapped_bytes_per_rank, swap_threshold_bytes
 from common.presets import FROM_LAYOUT, FROM_MODEL, get_preset
 
@@ -592,7 +593,8 @@ def lightning_trainer_kwargs(
 
     The strategy is :class:`common.lightning_cpu.ZeroDeepSpeedStrategy`, which is Lightning's own
     ``DeepSpeedStrategy`` on a GPU and also runs real ZeRO on a CPU. Hang detection is armed too
-    (:func:`arm_hang_detection`).
+    (:func:`arm_hang_detection`), and the process keeps the host memory a step frees for the next
+    (:func:`common.host_memory.keep_freed_memory`).
 
     Args:
         ds_config: the factory's resolved config.
@@ -603,6 +605,7 @@ def lightning_trainer_kwargs(
 
     arm_hang_detection(timeout, run_dir)
     keep_zero_init_dtype()
+    keep_freed_memory()
     kwargs: dict[str, Any] = {"config": lightning_strategy_config(ds_config)}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -643,13 +646,15 @@ def accelerator_kwargs(
 
     With ``--use_deepspeed`` on a CPU a plain ``Accelerator()`` may count one process while DeepSpeed runs
     two; naming the backend explicitly fixes it (DESIGN.md, "Found on the way"). Hang detection is armed
-    too (:func:`arm_hang_detection`); ``timeout`` and ``run_dir`` as for :func:`lightning_trainer_kwargs`.
+    too (:func:`arm_hang_detection`), and freed host memory is kept (:func:`common.host_memory.keep_freed_memory`);
+    ``timeout`` and ``run_dir`` as for :func:`lightning_trainer_kwargs`.
     """
     import torch
     from accelerate.utils import InitProcessGroupKwargs
 
     arm_hang_detection(timeout, run_dir)
     keep_zero_init_dtype()
+    keep_freed_memory()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     pg_kwargs = {"backend": backend}
     if timeout is not None:
