@@ -5,17 +5,17 @@ glibc's ``malloc`` returns memory to the kernel when enough of it is free at the
 fresh ``mmap`` (``M_MMAP_THRESHOLD``, which moves the same way). A training step on a CPU allocates its activations
 and gradients and frees them all at the end of the step, every step: whatever glibc handed back is mapped again by
 the next step, one minor page fault (and a zeroed page) per 4 KiB, and that is CPU time of the training thread.
-How much depends on the order of frees, so it differs between loops that do the same arithmetic: on the NLP tiny
-model under ZeRO-2, Lightning's loop page-faulted about 28,000 times per step against raw DeepSpeed's 10,000-20,000,
-about 7 % more CPU per step (bench/overhead.py reports the faults per step beside its ratios).
+How much depends on the order of frees, so it differs between loops that do the same arithmetic: under glibc's
+defaults Lightning's stage-2 loop faulted about twice as often as raw DeepSpeed's, which made its step dearer in CPU
+time (bench/overhead.py measures both settings side by side: docs/benchmarks.md, "overhead").
 
 :func:`keep_freed_memory` fixes both thresholds (which also stops glibc moving them): memory freed at the top of the
 heap is kept up to 2 GiB, and only blocks of 32 MiB and more (glibc's largest dynamic threshold) get an ``mmap`` of
-their own, so the steps reuse the heap pages of the step before and the faults are gone (measured: under 1,100 per
-step for every backend). Peak resident memory is what the peak step needs, as before; what changes is that the
-memory stays resident between steps instead of being returned and faulted back. It is the reuse that jemalloc and
-tcmalloc (``LD_PRELOAD``) give as well. Both factory adapters call it; a user's own ``MALLOC_*`` variables or
-``GLIBC_TUNABLES`` for malloc win, and ``ZR_KEEP_FREED_MEMORY=off`` turns it off.
+their own, so the steps reuse the heap pages of the step before and few faults are left. Peak resident memory is
+what the peak step needs, as before; what changes is that the memory stays resident between steps instead of being
+returned and faulted back. It is the reuse that jemalloc and tcmalloc (``LD_PRELOAD``) give as well. Both factory
+adapters call it; a user's own ``MALLOC_*`` variables or ``GLIBC_TUNABLES`` for malloc win, and
+``ZR_KEEP_FREED_MEMORY=off`` turns it off.
 """
 
 from __future__ import annotations
