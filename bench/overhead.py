@@ -1,6 +1,6 @@
 """Framework overhead: the NLP tiny model's training step through Lightning and Accelerate vs raw DeepSpeed.
 
-    python bench/overhead.py --reps 5 --steps 20 --profile     # stages 2 and 3, allocator, profile (~17 min)
+    python bench/overhead.py --reps 5 --steps 20 --profile     # stages 2 and 3, allocator, profile (~15 min)
     python bench/overhead.py --render                          # docs/benchmarks.md from the results file only
 
 Same model (Llama tiny, 5.3M params), same resolved DeepSpeed config, same data, 2 CPU processes
