@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
@@ -147,26 +148,29 @@ def table_head(*columns: str) -> list[str]:
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
+T = TypeVar("T")
+
+
 @contextlib.contextmanager
 def environment(settings: dict[str, str | None]) -> Iterator[None]:
     """The launched group inherits this process's environment (bench_env copies it): set, then restore."""
+
+    def apply(values: dict[str, str | None]) -> None:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
     saved = {name: os.environ.get(name) for name in settings}
     try:
-        for name, value in settings.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        apply(settings)
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        apply(saved)
 
 
-def rotated(items: tuple[str, ...], by: int) -> tuple[str, ...]:
+def rotated(items: tuple[T, ...], by: int) -> tuple[T, ...]:
     """``items`` started at position ``by``: interleaved repetitions rotate the order of what they compare, so that
     neither a load drift on this shared machine nor the position in a repetition favours one of them."""
     by %= len(items)

@@ -139,11 +139,10 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict[str, li
 def measure_allocator(reps: int, steps: int) -> dict[str, dict[str, list[dict]]]:
     """runs[setting][backend]: one figures dict per repetition, settings and backends in rotated order."""
     runs: dict[str, dict[str, list[dict]]] = {s: {b: [] for b in ALLOCATOR_BACKENDS} for s in ALLOCATOR_SETTINGS}
-    groups = tuple(f"{setting}|{backend}" for setting in ALLOCATOR_SETTINGS for backend in ALLOCATOR_BACKENDS)
+    groups = tuple((setting, backend) for setting in ALLOCATOR_SETTINGS for backend in ALLOCATOR_BACKENDS)
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(reps):
-            for group in rotated(groups, rep):
-                setting, backend = group.split("|")
+            for setting, backend in rotated(groups, rep):
                 with environment({KEEP_FREED_MEMORY_ENV: ALLOCATOR_SETTINGS[setting]}):
                     run = run_group(backend, ALLOCATOR_PRESET, steps, Path(tmp) / f"{backend}.json")
                 figures = step_figures(run, WARMUP)
@@ -296,8 +295,7 @@ def page_fault_sentence(runs: dict[str, dict[str, list[dict]]]) -> str:
     return (
         "Minor page faults per step (both ranks, median over the repetitions): " + "; ".join(parts) + ". Every "
         "process, raw DeepSpeed's included, keeps the host memory a step frees for the next "
-        "(`common.host_memory.keep_freed_memory`, which the factory's adapters call); the table below shows what "
-        "glibc's defaults cost."
+        "(`common.host_memory.keep_freed_memory`, which the factory's adapters call)."
     )
 
 
@@ -314,7 +312,7 @@ def render_allocator(allocator: dict) -> str:
     figures = {}
     for setting, by_backend in runs.items():
         faults = {b: median([r["page_faults"] for r in by_backend[b]]) for b in ALLOCATOR_BACKENDS}
-        cpu = summarize({"raw": by_backend["raw"], "lightning": by_backend["lightning"]}, "lightning")["cpu_ms"]
+        cpu = summarize(by_backend, "lightning")["cpu_ms"]
         figures[setting] = (faults, cpu)
         lines.append(
             f"| {setting} | {faults['raw']:,.0f} | {faults['lightning']:,.0f} | "
@@ -471,9 +469,10 @@ def main() -> None:
         "allocator": None,
         "profile": None,
     }
+    document = write_results(RESULTS, results)  # kept should the allocator runs or the profile fail
     if args.allocator_reps > 0:
         results["allocator"] = {"preset": ALLOCATOR_PRESET, "runs": measure_allocator(args.allocator_reps, args.steps)}
-    document = write_results(RESULTS, results)  # kept should the profile fail
+        document = write_results(RESULTS, results)
     if args.profile:
         results["profile"] = profile(presets[-1], args.profile_steps)
         document = write_results(RESULTS, results)
