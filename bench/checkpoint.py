@@ -16,8 +16,9 @@
    the training thread (``time.thread_time``: the background writer's CPU is not in it) and of the whole rank
    (``time.process_time``), and the writer thread's CPU per save: on a machine with fewer free cores than ranks x 2
    the writer competes with training for them, and the wall-clock ratio shows that.
-3. **Write cost** of one file, three ways: ``torch.save`` as DeepSpeed calls it, without the CRC-32, and past the
-   page cache as well (``save_direct``, what the background writer does).
+3. **Write cost** of one file, four ways: ``torch.save`` as DeepSpeed calls it, without the CRC-32, past the page
+   cache as well (``save_direct`` through its buffer), and from page-aligned memory without a copy (``save_direct``
+   of a snapshot's tensor, what the background writer does).
 4. **Scaling**: synchronous save time for three model sizes on 2 processes, and for 1, 2 and 4 processes on the
    middle size.
 5. Writes bench/results/checkpoint.json (``write_results``: provenance included) and renders the "checkpoint saves"
@@ -182,7 +183,8 @@ def worker(args: argparse.Namespace) -> None:
 WRITE_MODES = {  # how one file is saved: DeepSpeed's own call, then what the writers change, one thing at a time
     "torch_save": "`torch.save` as DeepSpeed calls it",
     "without_crc32": "without the CRC-32 (both writers)",
-    "direct": "without it and past the page cache (`DirectFile`, the background writer)",
+    "direct": "without it and past the page cache (`DirectFile`, through its buffer)",
+    "in_place": "and from page-aligned memory, without a copy (the background writer's snapshot)",
 }
 
 
@@ -194,16 +196,17 @@ def write_cost(work: Path, megabytes: int, repeats: int) -> dict:
 
     import torch
 
-    from common.async_checkpoint import DIRECT_BUFFER_BYTES, save_direct, without_crc32
+    from common.async_checkpoint import DIRECT_BUFFER_BYTES, page_aligned_empty, save_direct, without_crc32
     from common.rundir import fsync_path
 
     state = {"t": torch.randn(megabytes * 2**20 // 4, generator=torch.Generator().manual_seed(0))}
+    aligned = {"t": page_aligned_empty(state["t"]).copy_(state["t"])}  # torch's own allocation is not page-aligned
     buffer = mmap.mmap(-1, DIRECT_BUFFER_BYTES)
     path = work / "write-cost.pt"
 
     def save(mode: str) -> None:
-        if mode == "direct":
-            save_direct(state, path, buffer)  # flushes
+        if mode in ("direct", "in_place"):
+            save_direct(aligned if mode == "in_place" else state, path, buffer)  # flushes
             return
         with without_crc32() if mode == "without_crc32" else contextlib.nullcontext():
             torch.save(state, path)
@@ -367,9 +370,10 @@ def write_cost_sentence(cost: dict) -> str:
     def median_of(mode: str, key: str) -> float:
         return statistics.median(run[key] for run in cost[mode])
 
-    parts = [
+    parts = [  # the modes the file measured (one from before `in_place` existed has three)
         f"{label}: {median_of(mode, 'cpu_s'):.2f} CPU-s ({median_of(mode, 'wall_s'):.2f} s wall)"
         for mode, label in WRITE_MODES.items()
+        if mode in cost
     ]
     return (
         f"What one file's save costs, {cost['megabytes']} MB of fp32 with its fsync, median of "

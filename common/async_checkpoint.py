@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
@@ -60,6 +61,7 @@ MARKER = ".written-rank"
 WRITE_DELAY_ENV = "ZERO_RECIPES_TEST_CHECKPOINT_WRITE_DELAY_S"
 COPY_DELAY_ENV = "ZERO_RECIPES_TEST_CHECKPOINT_COPY_DELAY_S"
 DIRECT_BUFFER_BYTES = 32 * 2**20  # the writer's bounce buffer for O_DIRECT (a multiple of the block size)
+ZERO_COPY_MIN_BYTES = 2**20  # tensors this large are snapshotted page-aligned and written to disk without a copy
 WRITER_NICE = 10  # the writer thread's CPU priority below training's where SCHED_IDLE is not available
 PUBLISH_POLL_S = 0.05
 
@@ -69,8 +71,10 @@ def snapshot(
 ) -> tuple[Any, int]:
     """A deep copy of ``state`` with every tensor copied to host memory; and the bytes those copies hold.
 
-    Views are copied as themselves (``clone`` of a view is compact), so a partition of a flat buffer does not drag
-    the whole buffer along, which is also what DeepSpeed's ``clone_tensors_for_torch_save`` does before a save.
+    Views are copied as themselves (compact and contiguous), so a partition of a flat buffer does not drag the whole
+    buffer along, which is also what DeepSpeed's ``clone_tensors_for_torch_save`` does before a save. Large copies
+    start on a page boundary (:func:`page_aligned_empty`), so that :class:`DirectFile` writes them to disk from
+    where they are.
 
     Args:
         state: what DeepSpeed hands its checkpoint engine for one file.
@@ -87,12 +91,11 @@ def snapshot(
         host = pool.get(key) if pool is not None else None
         if host is state:  # copied by an earlier pass into this very tensor
             return host, host.numel() * host.element_size()
-        if host is not None and host.shape == state.shape and host.dtype == state.dtype:
-            host.copy_(state.detach())
-        else:
-            host = state.detach().to("cpu", copy=True)
+        if host is None or host.shape != state.shape or host.dtype != state.dtype:
+            host = page_aligned_empty(state)
             if pool is not None:
                 pool[key] = host
+        host.copy_(state.detach())
         return host, host.numel() * host.element_size()
     if isinstance(state, dict):
         out, total = copy.copy(state), 0  # a shallow copy keeps the mapping's type (OrderedDict, defaultdict)
@@ -107,6 +110,22 @@ def snapshot(
             return copies, total
         return (type(state)(*copies) if hasattr(state, "_fields") else type(state)(copies)), total
     return state, 0
+
+
+def page_aligned_empty(like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized contiguous CPU tensor of ``like``'s shape and dtype; from ``ZERO_COPY_MIN_BYTES`` up, in an
+    anonymous ``mmap`` of its own, so its storage starts on a page boundary (torch's allocator aligns to 64 bytes).
+    ``O_DIRECT`` can write such a storage to disk without a copy into :class:`DirectFile`'s buffer."""
+    nbytes = like.numel() * like.element_size()
+    if nbytes < ZERO_COPY_MIN_BYTES:
+        return torch.empty(like.shape, dtype=like.dtype)
+    region = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive, and the mapping cannot close under it
+    return torch.frombuffer(region, dtype=like.dtype, count=like.numel()).view(like.shape)
+
+
+def address_of(data: memoryview) -> int:
+    """The address of a (non-empty) buffer's first byte, read-only buffers included (``ctypes`` wants writable)."""
+    return int(np.frombuffer(data, dtype=np.uint8).ctypes.data)
 
 
 def torch_optimizer(engine: Any) -> torch.optim.Optimizer | None:
@@ -148,24 +167,30 @@ def swaps_to_nvme(engine: Any) -> bool:
 
 
 @contextlib.contextmanager
-def without_crc32() -> Iterator[None]:
+def without_crc32(storage_alignment: int | None = None) -> Iterator[None]:
     """``torch.save`` without the CRC-32 of every record in its zip file, for the duration.
 
     The CRC costs CPU time (measured by bench/checkpoint.py) and protects nothing on the
     way back: ``torch.load`` never checks it, so a damaged byte loads silently with or without it (both pinned by
     tests/unit/test_async_checkpoint.py). The files are the same zip format, read by every loader as before.
+
+    Args:
+        storage_alignment: where given, each tensor's bytes start at a multiple of it in the file (torch pads the
+            record's zip header; 64 by default): :func:`save_direct` asks for the block size.
     """
     try:
         from torch.utils.serialization import config  # torch >= 2.6; before it, every save computes the CRC
     except ImportError:
         yield
         return
-    before = config.save.compute_crc32
+    before = config.save.compute_crc32, config.save.storage_alignment
     config.save.compute_crc32 = False
+    if storage_alignment is not None:
+        config.save.storage_alignment = storage_alignment
     try:
         yield
     finally:
-        config.save.compute_crc32 = before
+        config.save.compute_crc32, config.save.storage_alignment = before
 
 
 class DirectFile:
@@ -176,8 +201,11 @@ class DirectFile:
     spends that CPU on the cores training needs, so it is what an asynchronous save costs the steps around it.
     ``O_DIRECT`` wants the memory, the length and the file offset aligned to the block size: the bytes go through
     an ``mmap``-ed buffer (page-aligned), which is written whole each time it fills; the last, unaligned part is
-    written with ``O_DIRECT`` cleared. The file is flushed (``fsync``) on close. Where ``O_DIRECT`` is refused
-    (tmpfs, macOS) it is a buffered file.
+    written with ``O_DIRECT`` cleared. A large write that starts on a page and at an aligned offset of the file (a
+    tensor of :func:`page_aligned_empty`, saved by :func:`save_direct`) goes to disk from where it is, all but its
+    unaligned tail: no copy, and no Python lock held while the bytes move (``os.write`` lets go of the GIL, a copy
+    into the buffer does not, and the training thread needs it between every two ops). The file is flushed
+    (``fsync``) on close. Where ``O_DIRECT`` is refused (tmpfs, macOS) it is a buffered file.
 
     Args:
         path: the file to write (created or truncated).
@@ -196,7 +224,7 @@ class DirectFile:
 
     def write(self, data: Any) -> int:
         data = memoryview(data).cast("B")
-        start, total = 0, len(data)
+        start, total = self._write_in_place(data), len(data)
         while start < total:
             take = min(len(self.buffer) - self.filled, total - start)
             self.view[self.filled : self.filled + take] = data[start : start + take]
@@ -205,6 +233,22 @@ class DirectFile:
                 self._write_out(self.view[: self.filled])
                 self.filled = 0
         return total
+
+    def _write_in_place(self, data: memoryview) -> int:
+        """Write the aligned part of ``data`` straight from its memory where it can go so (the buffer's bytes first,
+        whole blocks by then); how many bytes were written."""
+        aligned = len(data) // self.ALIGN * self.ALIGN
+        if (
+            aligned < ZERO_COPY_MIN_BYTES
+            or self.filled % self.ALIGN  # the file offset is not on a block: the bytes go through the buffer
+            or address_of(data) % self.ALIGN
+            or not fcntl.fcntl(self.fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0)
+        ):
+            return 0
+        self._write_out(self.view[: self.filled])
+        self.filled = 0
+        self._write_out(data[:aligned])
+        return aligned
 
     def flush(self) -> None:
         """Nothing: ``close`` writes what the buffer holds (torch.save calls this at the end of the archive)."""
@@ -236,13 +280,29 @@ class DirectFile:
 
 def save_direct(state: Any, path: str | Path, buffer: mmap.mmap, zipfile_serialization: bool = True) -> None:
     """``torch.save`` of ``state`` to ``path`` the way the background writer saves: without the CRC-32, past the page
-    cache (:class:`DirectFile` through ``buffer``), flushed."""
+    cache (:class:`DirectFile` through ``buffer``), flushed. Where the state holds a tensor large enough to be
+    written in place, every tensor's bytes start on a block of the file (up to a block of padding per tensor, so
+    files of small tensors only keep torch's 64 bytes)."""
     direct = DirectFile(path, buffer)
+    alignment = (
+        DirectFile.ALIGN if any_tensor(state, lambda t: t.numel() * t.element_size() >= ZERO_COPY_MIN_BYTES) else None
+    )
     try:
-        with without_crc32():
+        with without_crc32(alignment):
             torch.save(state, direct, _use_new_zipfile_serialization=zipfile_serialization)
     finally:
         direct.close()
+
+
+def any_tensor(state: Any, predicate: Callable[[torch.Tensor], bool]) -> bool:
+    """Whether a tensor anywhere in ``state`` (dicts, lists, tuples) satisfies ``predicate``."""
+    if isinstance(state, torch.Tensor):
+        return predicate(state)
+    if isinstance(state, dict):
+        return any(any_tensor(value, predicate) for value in state.values())
+    if isinstance(state, list | tuple):
+        return any(any_tensor(value, predicate) for value in state)
+    return False
 
 
 def fsync_tree(folder: Path) -> None:

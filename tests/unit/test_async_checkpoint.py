@@ -19,14 +19,18 @@ import time
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from common.async_checkpoint import (
     MARKER,
+    ZERO_COPY_MIN_BYTES,
     AsyncCheckpointer,
     Checkpointer,
     DirectFile,
+    page_aligned_empty,
+    save_direct,
     snapshot,
     snapshot_engine,
     without_crc32,
@@ -274,6 +278,52 @@ def test_direct_file_writes_every_byte_through_its_aligned_buffer(tmp_path, size
     assert [direct.write(chunk) for chunk in chunks] == sizes
     direct.close()
     assert (tmp_path / "f.bin").read_bytes() == b"".join(chunks)
+
+
+def direct_io(path: Path) -> bool:
+    """Whether ``path``'s file system takes ``O_DIRECT`` (tmpfs does not; then every write is buffered)."""
+    try:
+        os.close(os.open(path / ".direct-probe", os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644))
+    except OSError:
+        return False
+    return hasattr(os, "O_DIRECT")
+
+
+def test_large_snapshot_tensors_start_on_a_page_and_small_ones_come_from_torch():
+    large = page_aligned_empty(torch.zeros(ZERO_COPY_MIN_BYTES // 2, dtype=torch.bfloat16).view(-1, 8))
+    assert large.untyped_storage().data_ptr() % mmap.PAGESIZE == 0 and large.shape == (ZERO_COPY_MIN_BYTES // 16, 8)
+    assert large.dtype == torch.bfloat16 and large.is_contiguous()
+    assert large.untyped_storage().nbytes() == ZERO_COPY_MIN_BYTES  # the storage is the tensor, nothing around it
+    copy, _ = snapshot({"w": torch.randn(ZERO_COPY_MIN_BYTES // 4).t()})
+    assert copy["w"].untyped_storage().data_ptr() % mmap.PAGESIZE == 0
+
+
+def test_a_page_aligned_tensor_goes_to_disk_from_where_it_is(tmp_path, monkeypatch):
+    """The snapshot's large tensors are written by ``os.write`` from their own memory (no copy into the buffer), the
+    unaligned tail and the small tensors through the buffer; every byte loads back as saved."""
+    if not direct_io(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    live = {
+        "big": torch.randn(ZERO_COPY_MIN_BYTES // 4 + 5),
+        "small": torch.arange(7),
+        "other": torch.randn(3, 100_000),
+    }
+    state, _ = snapshot(live)
+    real_write, written_from = os.write, []
+
+    def recording_write(fd: int, data) -> int:
+        view = memoryview(data)
+        written_from.append((int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0, len(view)))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", recording_write)
+    save_direct(state, tmp_path / "s.pt", mmap.mmap(-1, 8192))
+    monkeypatch.undo()
+    for name in ("big", "other"):
+        storage = state[name].untyped_storage()
+        assert (storage.data_ptr(), storage.nbytes() // 4096 * 4096) in written_from, name
+    loaded = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert all(torch.equal(loaded[name], live[name]) for name in live)
 
 
 def test_a_torch_save_through_a_direct_file_loads_as_saved(tmp_path):
