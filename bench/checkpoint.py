@@ -347,6 +347,8 @@ def render_body(results: dict) -> str:
         "",
         idle_cpu_sentence(stall, judged),
         "",
+        baseline_noise_sentence(stall),
+        "",
         write_cost_sentence(results["write_cost"]),
         "",
         "Synchronous save time by model size and process count (the same writer, nothing else running):",
@@ -379,6 +381,24 @@ def write_cost_sentence(cost: dict) -> str:
         f"What one file's save costs, {cost['megabytes']} MB of fp32 with its fsync, median of "
         f"{len(cost['torch_save'])} interleaved: " + "; ".join(parts) + ". `torch.load` never reads the CRC-32, so "
         "leaving it out loses nothing."
+    )
+
+
+def baseline_noise_sentence(stall: dict) -> str:
+    """How much the runs without saves differ among themselves: the same work, so the machine's own variation, which
+    the per-repetition ratios (and the upper end the verdict reads) carry as well."""
+    parts = []
+    for row in stall["throughput"]:
+        walls = [run["wall_s_per_step"] for run in row["runs"]["none"]]
+        cpus = [run["cpu_s_per_step"] for run in row["runs"]["none"]]
+        parts.append(
+            f"a save every {row['save_every']}: slowest / fastest x{max(walls) / min(walls):.3f} in wall time, "
+            f"x{max(cpus) / min(cpus):.3f} in the training thread's CPU time"
+        )
+    return (
+        f"The machine's own variation: the {len(walls)} runs without saves (the same steps each time) differ by "
+        + "; ".join(parts)
+        + ". A slowdown smaller than that cannot be told from noise by any one repetition."
     )
 
 
