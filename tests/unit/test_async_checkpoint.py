@@ -289,13 +289,14 @@ def direct_io(path: Path) -> bool:
     return hasattr(os, "O_DIRECT")
 
 
-def test_large_snapshot_tensors_start_on_a_page_and_small_ones_come_from_torch():
+def test_large_snapshot_tensors_start_on_a_page_of_their_own():
     large = page_aligned_empty(torch.zeros(ZERO_COPY_MIN_BYTES // 2, dtype=torch.bfloat16).view(-1, 8))
     assert large.untyped_storage().data_ptr() % mmap.PAGESIZE == 0 and large.shape == (ZERO_COPY_MIN_BYTES // 16, 8)
     assert large.dtype == torch.bfloat16 and large.is_contiguous()
     assert large.untyped_storage().nbytes() == ZERO_COPY_MIN_BYTES  # the storage is the tensor, nothing around it
-    copy, _ = snapshot({"w": torch.randn(ZERO_COPY_MIN_BYTES // 4).t()})
-    assert copy["w"].untyped_storage().data_ptr() % mmap.PAGESIZE == 0
+    transposed = torch.randn(512, ZERO_COPY_MIN_BYTES // 2048).t()  # a non-contiguous view: copied compact
+    copy, _ = snapshot({"w": transposed})
+    assert copy["w"].untyped_storage().data_ptr() % mmap.PAGESIZE == 0 and torch.equal(copy["w"], transposed)
 
 
 def test_a_page_aligned_tensor_goes_to_disk_from_where_it_is(tmp_path, monkeypatch):
