@@ -8,7 +8,7 @@ A synchronous DeepSpeed save stops every rank for the whole write (guide 2, 8; D
   writing it. Tensors that only an optimizer update changes (the module's parameters, the fp32 master partitions, the
   optimizer's moments: :func:`updated_by_the_optimizer`) are queued by reference; every other tensor (buffers such
   as BatchNorm statistics, which a forward pass changes in place; anything in the client state) is copied to host
-  memory at once.
+  memory at once, and so is every other mutable object (DeepSpeed's loss scaler counts steps in place).
 * **copy** (background, overlapping the next forward and backward): the referenced tensors are copied to host
   memory. ZeRO's optimizer ``state_dict()`` returns the live partitions, which the next optimizer step overwrites in
   place, so a hook before that step (``register_step_pre_hook`` on the torch optimizer inside DeepSpeed's) waits
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import enum
 import errno
 import fcntl
 import mmap
@@ -64,6 +65,8 @@ DIRECT_BUFFER_BYTES = 32 * 2**20  # the writer's bounce buffer for O_DIRECT (a m
 ZERO_COPY_MIN_BYTES = 2**20  # tensors this large are snapshotted page-aligned and written to disk without a copy
 WRITER_NICE = 10  # the writer thread's CPU priority below training's where SCHED_IDLE is not available
 PUBLISH_POLL_S = 0.05
+# Values a snapshot keeps by reference: none of them can change after the save call.
+IMMUTABLE_LEAVES = (str, bytes, int, float, complex, type(None), range, torch.dtype, torch.device, enum.Enum)
 
 
 def snapshot(
@@ -71,10 +74,11 @@ def snapshot(
 ) -> tuple[Any, int]:
     """A deep copy of ``state`` with every tensor copied to host memory; and the bytes those copies hold.
 
-    Views are copied as themselves (compact and contiguous), so a partition of a flat buffer does not drag the whole
-    buffer along, which is also what DeepSpeed's ``clone_tensors_for_torch_save`` does before a save. Large copies
-    start on a page boundary (:func:`page_aligned_empty`), so that :class:`DirectFile` writes them to disk from
-    where they are.
+    Other objects are deep-copied too (:data:`IMMUTABLE_LEAVES` excepted): the file holds them as they were when
+    ``snapshot`` ran. Views are copied as themselves (compact and contiguous), so a partition of a flat buffer does
+    not drag the whole buffer along, which is also what DeepSpeed's ``clone_tensors_for_torch_save`` does before a
+    save. Large copies start on a page boundary (:func:`page_aligned_empty`), so that :class:`DirectFile` writes
+    them to disk from where they are.
 
     Args:
         state: what DeepSpeed hands its checkpoint engine for one file.
@@ -109,7 +113,11 @@ def snapshot(
         if isinstance(state, list):
             return copies, total
         return (type(state)(*copies) if hasattr(state, "_fields") else type(state)(copies)), total
-    return state, 0
+    if isinstance(state, IMMUTABLE_LEAVES):
+        return state, 0
+    # Any other object may change in place after the save call, as DeepSpeed's loss scaler does at every step
+    # (cur_iter, cur_scale): written later by reference, the file would pair it with the tensors of an earlier step.
+    return copy.deepcopy(state), 0
 
 
 def page_aligned_empty(like: torch.Tensor) -> torch.Tensor:

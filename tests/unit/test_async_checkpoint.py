@@ -48,6 +48,9 @@ class Gate:
         assert self.open.wait(60), "gate never opened"
         return (collections.OrderedDict, ())  # loads with weights_only=True
 
+    def __deepcopy__(self, memo):
+        return self  # the snapshot keeps the gate itself: its pickling is the write it holds
+
 
 def no_barrier() -> None:
     pass
@@ -89,6 +92,32 @@ def test_snapshot_copies_every_tensor_compactly_and_keeps_container_types():
     assert isinstance(copy["steps"], collections.defaultdict) and copy["steps"]["missing"] == 0
     assert isinstance(copy["pair"], Pair) and copy["pair"].b == 7 and copy["pair"].a.tolist() == [0.0, 1.0]
     assert nbytes == (10 + 2) * 4
+
+
+def test_the_loss_scaler_is_written_as_it_was_at_the_save_not_as_the_next_steps_left_it(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from common.tools.export import _deepspeed_pickle_classes
+
+    scaler = DynamicLossScaler(2.0**16, 2, 1.0, 2, False)  # a scale window of 2: the scale doubles every 2 steps
+    for _ in range(3):
+        scaler.update_scale(False)
+    at_save = (scaler.cur_iter, scaler.cur_scale)
+    rank0, rank1 = pair(tmp_path)
+    gate = Gate()
+    for rank in (rank0, rank1):  # both writes stay in flight; each pickles the scaler only after the gate opens
+        rank.save(3, writer(rank, {"gate": gate, "loss_scaler": scaler}))
+    for _ in range(2):
+        scaler.update_scale(False)  # the next steps, as ZeRO's optimizer takes them, while the writes go on
+    assert (scaler.cur_iter, scaler.cur_scale) != at_save
+    gate.open.set()
+    rank1.finish()
+    rank0.finish()
+    latest = latest_checkpoint(tmp_path)
+    with torch.serialization.safe_globals(_deepspeed_pickle_classes()):
+        for rank in (0, 1):
+            saved = torch.load(latest / f"rank{rank}_states.pt", weights_only=True)["loss_scaler"]
+            assert (saved.cur_iter, saved.cur_scale) == at_save
 
 
 def test_latest_moves_only_after_every_rank_wrote_and_holds_the_state_at_snapshot_time(tmp_path):
