@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -12,6 +13,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+
+
+def recipe_module(folder: Path, name: str):
+    """A module of the recipe in ``folder`` (``nlp_config``, ``pretraining``), imported as its scripts import it:
+    from the recipe's folder."""
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    return importlib.import_module(name)
 
 
 def free_port() -> int:

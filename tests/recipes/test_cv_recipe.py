@@ -6,17 +6,15 @@ time figures of the real default are measured in docs/cv.md, not here.
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from _util import PYTHON, REPO, accelerate_launch, read_json, run
+from _util import PYTHON, REPO, accelerate_launch, read_json, recipe_module, run
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from PIL import Image
 from transformers import AutoModelForImageClassification
@@ -61,13 +59,6 @@ SUMMARY_KEYS = [
 ]
 
 
-def recipe_module(name: str):
-    """``cv_config`` or ``classification``, imported as the scripts import them: from the recipe's folder."""
-    if str(RECIPE) not in sys.path:
-        sys.path.insert(0, str(RECIPE))
-    return importlib.import_module(name)
-
-
 def overrides(out_dir: Path, **extra) -> list[str]:
     values = {**TINY, "out_dir": out_dir, **extra}
     return [f"{key}={value}" for key, value in values.items()]
@@ -97,22 +88,24 @@ def save_tiny_swin(folder: Path, num_classes: int, class_names: list[str] | None
 
 @pytest.mark.parametrize("path", sorted((RECIPE / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_yaml_loads_and_opens_with_launch_commands(path):
-    cfg = load_config(recipe_module("cv_config").CVConfig, path)
+    cfg = load_config(recipe_module(RECIPE, "cv_config").CVConfig, path)
     assert cfg.preset == "cv" and cfg.precision == "bf16"
     text = path.read_text()
     assert text.startswith("#") and "python recipes/cv/train.py" in text and "accelerate launch" in text
 
 
 def test_default_config_is_the_dataclass_default_and_the_issue_setup():
-    rc = recipe_module("cv_config")
+    rc = recipe_module(RECIPE, "cv_config")
     cfg = load_config(rc.CVConfig, rc.DEFAULT_CONFIG)
     assert cfg == rc.CVConfig()  # the YAML and the dataclass agree: no hidden second default
     assert (cfg.model, cfg.data, cfg.image_size, cfg.micro_batch_size, cfg.preset) == ("tiny", "digits", 32, 16, "cv")
 
 
 def test_shipped_accelerate_files_are_the_factory_output_for_the_default(tmp_path):
-    rc = recipe_module("cv_config")
-    ds_config = recipe_module("classification").resolve_ds_config(load_config(rc.CVConfig, rc.DEFAULT_CONFIG), 2)
+    rc = recipe_module(RECIPE, "cv_config")
+    ds_config = recipe_module(RECIPE, "classification").resolve_ds_config(
+        load_config(rc.CVConfig, rc.DEFAULT_CONFIG), 2
+    )
     assert json.loads((RECIPE / "ds_config.json").read_text()) == ds_config
     shipped = yaml.safe_load((RECIPE / "accelerate.yaml").read_text())
     assert shipped == accelerate_config("recipes/cv/ds_config.json", num_processes=2)
@@ -125,7 +118,7 @@ def test_shipped_accelerate_files_are_the_factory_output_for_the_default(tmp_pat
 
 
 def test_smoke_overrides_are_a_valid_tiny_run():
-    rc = recipe_module("cv_config")
+    rc = recipe_module(RECIPE, "cv_config")
     cfg = load_config(rc.CVConfig, rc.DEFAULT_CONFIG, rc.SMOKE_OVERRIDES)
     assert cfg.max_steps <= 10 and cfg.checkpoint_interval <= cfg.max_steps
 
@@ -143,7 +136,7 @@ def test_describe_reports_the_default_run_without_training_or_writing(tmp_path, 
     out_dir = tmp_path / "run"
     printed = describe(script, f"out_dir={out_dir}")
     description = RecipeDescription.from_json(printed)
-    cv_config = recipe_module("cv_config")
+    cv_config = recipe_module(RECIPE, "cv_config")
     expected_config = load_config(cv_config.CVConfig, cv_config.DEFAULT_CONFIG, [f"out_dir={out_dir}"])
     assert description.recipe == "cv" and description.config == config_to_dict(expected_config)
     assert (description.world_size, description.devices_per_node, description.num_nodes) == (2, 2, 1)

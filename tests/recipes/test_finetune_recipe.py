@@ -29,17 +29,15 @@ loss on the same files, in the test) and trains 150 steps, so that it also backs
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import shutil
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from _util import PYTHON, REPO, accelerate_launch, check_async_saves, read_json, run
+from _util import PYTHON, REPO, accelerate_launch, check_async_saves, read_json, recipe_module, run
 
 RECIPE = REPO / "recipes" / "nlp"
 FINETUNE = RECIPE / "finetune.py"
@@ -99,13 +97,6 @@ EXE = shutil.which("zero-recipes")
 
 
 @functools.cache
-def recipe_module(name: str):
-    """``finetune_config`` or ``finetuning`` from ``recipes/nlp`` (which the scripts have on ``sys.path``)."""
-    if str(RECIPE) not in sys.path:
-        sys.path.insert(0, str(RECIPE))
-    return importlib.import_module(name)
-
-
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory) -> Path:
     """A 2-layer Llama (about 150k parameters) and its BPE tokenizer, saved as a Hugging Face folder."""
@@ -173,7 +164,7 @@ def accelerate(args: list, **kw):
 
 
 def test_shipped_configs_load_and_the_default_states_the_dataclass():
-    fc = recipe_module("finetune_config")
+    fc = recipe_module(RECIPE, "finetune_config")
     from common.config import load_config
 
     for path in sorted((RECIPE / "configs").glob("finetune*.yaml")):
@@ -186,7 +177,7 @@ def test_shipped_configs_load_and_the_default_states_the_dataclass():
 
 
 def test_accelerate_files_are_the_factorys_output_for_the_default_config():
-    fc, ft = recipe_module("finetune_config"), recipe_module("finetuning")
+    fc, ft = recipe_module(RECIPE, "finetune_config"), recipe_module(RECIPE, "finetuning")
     from common.strategy import accelerate_config
     from nlp.model import LLAMA_SIZES
 

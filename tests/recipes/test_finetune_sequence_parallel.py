@@ -12,14 +12,12 @@ Ulysses' attention, which drops the mask, must be gone before the export generat
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
 
 import pytest
 import torch
-from _util import PYTHON, REPO, accelerate_launch, read_json, run, train_metric
+from _util import PYTHON, REPO, accelerate_launch, read_json, recipe_module, run, train_metric
 
 from common import sequence_parallel
 from common.errors import ConfigError
@@ -63,13 +61,6 @@ def write_count_data(path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def recipe_module(name: str):
-    """``finetune_config`` or ``finetuning``, imported as the scripts import them: from the recipe's folder."""
-    if str(RECIPE) not in sys.path:
-        sys.path.insert(0, str(RECIPE))
-    return importlib.import_module(name)
-
-
 def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 
@@ -92,7 +83,7 @@ def test_a_bad_sequence_parallel_is_one_clear_error(tmp_path):
 
 def test_the_other_refusals_name_the_fix():
     # In-process: the check both entry points run after resolving the attention.
-    fc, ft = recipe_module("finetune_config"), recipe_module("finetuning")
+    fc, ft = recipe_module(RECIPE, "finetune_config"), recipe_module(RECIPE, "finetuning")
     config, cfg = tiny_llama_config(vocab_size=512), fc.FinetuneConfig(sequence_parallel=2)
     with pytest.raises(ConfigError, match="does not divide the 3 rank"):
         ft.check_sequence_parallel(cfg, 3, config, "sdpa")

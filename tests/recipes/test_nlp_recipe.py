@@ -19,17 +19,15 @@ Checked:
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from _util import PYTHON, REPO, accelerate_launch, check_async_saves, read_json, run
+from _util import PYTHON, REPO, accelerate_launch, check_async_saves, read_json, recipe_module, run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import config_to_dict, load_config
@@ -90,13 +88,6 @@ TINY = [
 ]
 
 
-def recipe_module(name: str):
-    """``nlp_config`` or ``pretraining``, imported as the scripts import them: from the recipe's folder."""
-    if str(RECIPE) not in sys.path:
-        sys.path.insert(0, str(RECIPE))
-    return importlib.import_module(name)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """About 400 kB of standard-library source as a folder of files: the ``data=folder`` path of the recipe."""
@@ -123,7 +114,7 @@ def losses(out_dir: Path, key: str = "train_loss") -> dict[int, float]:
 
 
 def test_every_shipped_config_loads_and_opens_with_launch_commands():
-    rc = recipe_module("nlp_config")
+    rc = recipe_module(RECIPE, "nlp_config")
     # finetune*.yaml belong to finetune.py (tests/recipes/test_finetune_recipe.py)
     names = sorted(p.name for p in (RECIPE / "configs").glob("*.yaml") if not p.name.startswith("finetune"))
     assert names == [
@@ -146,7 +137,7 @@ def test_every_shipped_config_loads_and_opens_with_launch_commands():
 
 
 def test_accelerate_files_are_the_factorys_output_for_the_default_config(tmp_path, monkeypatch):
-    config_module, pretraining = recipe_module("nlp_config"), recipe_module("pretraining")
+    config_module, pretraining = recipe_module(RECIPE, "nlp_config"), recipe_module(RECIPE, "pretraining")
     cfg = load_config(config_module.NLPConfig, config_module.DEFAULT_CONFIG)
     ds_config = pretraining.resolve_ds_config(cfg, 2, pretraining.hidden_size(cfg))
     assert (RECIPE / "ds_config.json").read_text() == json.dumps(ds_config, indent=2) + "\n"
@@ -188,7 +179,9 @@ def test_describe_counts_the_default_model_without_reading_data_or_writing(tmp_p
     assert not out_dir.exists() and list(tmp_path.iterdir()) == []
     description = RecipeDescription.from_json(printed)
     cfg = load_config(
-        recipe_module("nlp_config").NLPConfig, None, [f"out_dir={out_dir}", f"data={tmp_path / 'no_such_corpus'}"]
+        recipe_module(RECIPE, "nlp_config").NLPConfig,
+        None,
+        [f"out_dir={out_dir}", f"data={tmp_path / 'no_such_corpus'}"],
     )
     assert description.recipe == "nlp" and description.config == config_to_dict(cfg)
     assert (description.world_size, description.devices_per_node, description.num_nodes) == (2, 2, 1)

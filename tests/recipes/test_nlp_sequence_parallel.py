@@ -16,12 +16,10 @@ tests/distributed/test_sequence_parallel_grads.py.
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
 
 import pytest
-from _util import PYTHON, REPO, accelerate_launch, read_json, run, tiny_fp32_run, train_metric
+from _util import PYTHON, REPO, accelerate_launch, read_json, recipe_module, run, tiny_fp32_run, train_metric
 
 from common.errors import ConfigError
 
@@ -31,13 +29,6 @@ TRAIN_ACCELERATE = RECIPE / "train_accelerate.py"
 TRAIN_PIPELINE = RECIPE / "train_pipeline.py"
 STEPS = 5  # the sequence-parallel runs; the references run 2 more, for the resumed run
 PRESET = {1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "deepspeed_stage_3"}
-
-
-def recipe_module(name: str):
-    """``nlp_config`` or ``pretraining``, imported as the scripts import them: from the recipe's folder."""
-    if str(RECIPE) not in sys.path:
-        sys.path.insert(0, str(RECIPE))
-    return importlib.import_module(name)
 
 
 def one_error(proc) -> str:
@@ -76,7 +67,7 @@ def test_a_bad_sequence_parallel_is_one_clear_error(script, args, message):
 )
 def test_the_other_refusals_name_the_fix(args, message):
     # In-process (each command-line case above costs a recipe start): the same check the entry points run.
-    config_module, pretraining = recipe_module("nlp_config"), recipe_module("pretraining")
+    config_module, pretraining = recipe_module(RECIPE, "nlp_config"), recipe_module(RECIPE, "pretraining")
     NLPConfig, check_sequence_parallel, model_config = (
         config_module.NLPConfig,
         pretraining.check_sequence_parallel,
@@ -90,7 +81,7 @@ def test_the_other_refusals_name_the_fix(args, message):
 
 
 def test_a_tiling_or_offload_the_recipe_cannot_use_is_refused():
-    NLPConfig, pretraining = recipe_module("nlp_config").NLPConfig, recipe_module("pretraining")
+    NLPConfig, pretraining = recipe_module(RECIPE, "nlp_config").NLPConfig, recipe_module(RECIPE, "pretraining")
     with pytest.raises(ConfigError, match="tiled_loss_shards must be >= 1"):
         NLPConfig(tiled_loss_shards=0)
     moe = NLPConfig(model="moe_tiny", tiled_mlp_shards=2)

@@ -8,16 +8,14 @@ in docs/science.md, not here.
 from __future__ import annotations
 
 import copy
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from _util import PYTHON, REPO, accelerate_launch, check_async_saves, read_json, run
+from _util import PYTHON, REPO, accelerate_launch, check_async_saves, read_json, recipe_module, run
 from safetensors.torch import load_file
 
 from common.accounting import predicted_model_state_bytes
@@ -78,13 +76,6 @@ SUMMARY_KEYS = [
 SUPERRES_KEYS = ("val_rel_l2_superres", "superres_grid_size")
 
 
-def recipe_module(name: str):
-    """``science_config`` or ``operator_learning``, imported as the scripts import them: from the recipe's folder."""
-    if str(RECIPE) not in sys.path:
-        sys.path.insert(0, str(RECIPE))
-    return importlib.import_module(name)
-
-
 def overrides(out_dir: Path, cache_dir: Path, **extra) -> list[str]:
     values = {**TINY, "out_dir": out_dir, "cache_dir": cache_dir, **extra}
     return [f"{key}={value}" for key, value in values.items()]
@@ -100,15 +91,15 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("path", sorted((RECIPE / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_yaml_loads_and_opens_with_launch_commands(path):
-    cfg = load_config(recipe_module("science_config").ScienceConfig, path)
+    cfg = load_config(recipe_module(RECIPE, "science_config").ScienceConfig, path)
     assert cfg.preset == "science" and cfg.precision in ("bf16", "fp32")
     assert path.read_text().startswith("#") and "python recipes/science/train.py" in path.read_text()
 
 
 def test_shipped_accelerate_files_are_the_factory_output_for_the_default(tmp_path):
-    rc = recipe_module("science_config")
+    rc = recipe_module(RECIPE, "science_config")
     cfg = load_config(rc.ScienceConfig, rc.DEFAULT_CONFIG)
-    ds_config = recipe_module("operator_learning").resolve_ds_config(cfg, world_size=2)
+    ds_config = recipe_module(RECIPE, "operator_learning").resolve_ds_config(cfg, world_size=2)
     assert json.loads((RECIPE / "ds_config.json").read_text()) == ds_config
     shipped = yaml.safe_load((RECIPE / "accelerate.yaml").read_text())
     assert shipped == accelerate_config("recipes/science/ds_config.json", num_processes=2)
@@ -135,7 +126,7 @@ def test_fp32_head_gives_float32_predictions_from_a_bf16_model():
 
 
 def test_smoke_overrides_are_a_valid_tiny_run():
-    rc = recipe_module("science_config")
+    rc = recipe_module(RECIPE, "science_config")
     cfg = load_config(rc.ScienceConfig, rc.DEFAULT_CONFIG, rc.SMOKE_OVERRIDES)
     assert cfg.max_steps <= 10 and cfg.checkpoint_interval <= cfg.max_steps
 
@@ -153,7 +144,7 @@ def test_describe_reports_the_default_run_without_training_or_writing(tmp_path, 
     out_dir, cache = tmp_path / "run", tmp_path / "cache"
     printed = describe(script, f"out_dir={out_dir}", f"cache_dir={cache}")
     description = RecipeDescription.from_json(printed)
-    science_config = recipe_module("science_config")
+    science_config = recipe_module(RECIPE, "science_config")
     overrides = [f"out_dir={out_dir}", f"cache_dir={cache}"]
     expected_config = load_config(science_config.ScienceConfig, science_config.DEFAULT_CONFIG, overrides)
     assert description.recipe == "science" and description.config == config_to_dict(expected_config)
@@ -238,7 +229,7 @@ def test_print_config_prints_the_resolved_yaml(tmp_path):
     assert printed["lr"] == 0.002 and printed["precision"] == "fp32" and printed["preset"] == "science"
     path = tmp_path / "printed.yaml"
     path.write_text(proc.stdout)
-    load_config(recipe_module("science_config").ScienceConfig, path)  # round-trips into the config class
+    load_config(recipe_module(RECIPE, "science_config").ScienceConfig, path)  # round-trips into the config class
 
 
 # --- real runs: 2 processes, ZeRO-2 ------------------------------------------------------------------
