@@ -623,18 +623,29 @@ def rule_nccl_version(view: LintView) -> list[Finding]:
 
 
 def rule_stage3_needs_checkpointing(view: LintView) -> list[Finding]:
-    """Guide 1 (5.1): stage 3 still out of memory -> activation checkpointing. Checked with the estimator."""
+    """Guide 1 (5.1): stage 3 still out of memory -> activation checkpointing. Checked with the estimator, on the
+    rank's share of the sequence under Ulysses sequence parallelism. Silent under tiling (``tiled_mlp_shards``,
+    ``tiled_loss_shards``): the estimator does not model what tiling keeps, and a warning computed without it would
+    count activations the run never holds."""
     if view.stage != 3 or view.model is None or not view.device_memory_bytes:
         return []
     if view.recipe("activation_checkpointing", "none") != "none":
+        return []
+    if int(view.recipe("tiled_mlp_shards") or 1) > 1 or int(view.recipe("tiled_loss_shards") or 1) > 1:
         return []
     seq_len = int(view.recipe("seq_len") or 0)
     batch = int(view.recipe("micro_batch_size") or (view.ds_config or {}).get("train_micro_batch_size_per_gpu") or 1)
     if not seq_len:
         return []
     precision = view.precision if view.precision in ("bf16", "fp16", "fp32") else "bf16"
-    none = transformer_activations(view.model, seq_len, batch, "none", precision)
-    full = transformer_activations(view.model, seq_len, batch, "full", precision)
+    sequence_parallel = int(view.recipe("sequence_parallel") or 1)
+    try:
+        none, full = (
+            transformer_activations(view.model, seq_len, batch, preset, precision, sequence_parallel=sequence_parallel)
+            for preset in ("none", "full")
+        )
+    except ConfigError:
+        return []  # a sequence-parallel size the model cannot split: the recipe refuses it with its own message
     if none is None or full is None:
         return []
     states = 16 * view.model.num_params / max(1, view.world_size)

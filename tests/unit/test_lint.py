@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,21 @@ def test_failing_config_trips_its_rule(rule_id, tmp_path):
 def test_failing_view_trips_its_rule(rule_id):
     findings = lint.run_rules(FAILING_VIEWS[rule_id])
     assert rule_id in [f.rule_id for f in findings]
+
+
+def test_stage3_needs_checkpointing_counts_the_ranks_share_of_a_sequence_parallel_sequence():
+    """Ulysses over 4 ranks keeps a quarter of every per-token activation: the failing view's micro batch of 32 then
+    fits (7.3 GB against 21.6 usable), and 4 times that batch is again the failing view's activations per rank."""
+    base = FAILING_VIEWS["stage3-needs-checkpointing"]
+
+    def fires(**recipe) -> bool:
+        view = replace(base, recipe_config={**base.recipe_config, **recipe}, world_size=4)
+        return "stage3-needs-checkpointing" in [f.rule_id for f in lint.rule_stage3_needs_checkpointing(view)]
+
+    assert fires() and fires(sequence_parallel=4, micro_batch_size=128)
+    assert not fires(sequence_parallel=4)
+    assert not fires(sequence_parallel=5)  # not a split of 12 heads: the recipe refuses it, the rule stays silent
+    assert not fires(tiled_mlp_shards=4) and not fires(tiled_loss_shards=2)  # tiling: not modeled, no guess
 
 
 def test_bucket_size_respects_the_presets_scaling():
