@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -445,53 +446,72 @@ def check_layout(facts: ModelFacts, layout: ParallelLayout) -> None:
         )
 
 
+def cli_option(key: str, value: Any = None) -> str:
+    """How the planner's command line spells an option (``--seq-len 4096``): the vocabulary of its errors."""
+    name = "--" + key.replace("_", "-")
+    return name if value is None else f"{name} {value}"
+
+
+def recipe_option(key: str, value: Any = None) -> str:
+    """How a recipe's config spells an option (``seq_len=4096``): the vocabulary of its errors."""
+    return key if value is None else f"{key}={value}"
+
+
 def check_sequence_parallel(
     facts: ModelFacts,
     sequence_parallel: int,
     tensor_parallel: int = 1,
     seq_len: int | None = None,
     attention: str | None = None,
+    option: Callable[..., str] = cli_option,
 ) -> None:
     """Refuse a Ulysses sequence-parallel size that ``UlyssesSPAttentionHF`` cannot run, naming the value.
 
     SP must divide the query heads (each rank attends with heads / SP of them over the whole sequence), and the
     key/value heads must split over SP ranks or SP ranks over them (then each rank holds one replicated KV head);
-    ``seq_len`` must split into SP equal slices; eager attention is refused (it needs an s x s mask).
+    ``seq_len`` must split into SP equal slices; eager attention is refused (it needs an s x s mask). The planner
+    and the recipes run these same rules; ``option`` spells the options the way the user wrote them
+    (:func:`cli_option`, :func:`recipe_option`).
 
     Raises:
-        ConfigError: naming ``--sequence-parallel`` and the value that does not split.
+        ConfigError: naming the sequence-parallel option and the value that does not split.
     """
     sp = sequence_parallel
     if sp < 1:
-        raise ConfigError(f"--sequence-parallel must be >= 1, got {sp}")
+        raise ConfigError(f"{option('sequence_parallel')} must be >= 1, got {sp}")
     if sp == 1:
         return
     hint = _assumed_hint(facts)
     if not facts.num_heads:
-        raise ConfigError("--sequence-parallel needs the model's attention heads: pass --model-config or --params")
+        raise ConfigError(
+            f"{option('sequence_parallel')} needs the model's attention heads: pass --model-config or --params"
+        )
     heads = facts.num_heads // max(1, tensor_parallel)
     if facts.num_heads % max(1, tensor_parallel) or heads % sp:
         per = f" ({facts.num_heads} / tensor {tensor_parallel})" if tensor_parallel > 1 else ""
         raise ConfigError(
-            f"--sequence-parallel {sp} does not divide the {heads} attention heads{per}{hint}: Ulysses gives each "
-            f"sequence-parallel rank heads / SP of them; choose --sequence-parallel dividing {heads}"
+            f"{option('sequence_parallel', sp)} does not divide the {heads} attention heads{per}{hint}: Ulysses "
+            f"gives each sequence-parallel rank heads / SP of them; choose a {option('sequence_parallel')} dividing "
+            f"{heads}"
         )
     kv = (facts.num_kv_heads or facts.num_heads) // max(1, tensor_parallel)
     if kv % sp and sp % kv:
         raise ConfigError(
-            f"--sequence-parallel {sp} and the {kv} key/value heads{hint} do not divide one another: Ulysses splits "
-            "the key/value heads over the SP ranks (or replicates one per rank when SP is larger); choose "
-            f"--sequence-parallel dividing {kv} or a multiple of it"
+            f"{option('sequence_parallel', sp)} and the {kv} key/value heads{hint} do not divide one another: Ulysses "
+            "splits the key/value heads over the SP ranks (or replicates one per rank when SP is larger); choose a "
+            f"{option('sequence_parallel')} dividing {kv} or a multiple of it"
         )
     if seq_len is not None and seq_len % sp:
         raise ConfigError(
-            f"--seq-len {seq_len} is not divisible by --sequence-parallel {sp}: each rank holds seq_len / SP tokens; "
-            f"choose a length that is a multiple of {sp} (e.g. {seq_len - seq_len % sp or sp})"
+            f"{option('seq_len', seq_len)} is not divisible by {option('sequence_parallel', sp)}: each rank holds "
+            f"seq_len / SP tokens; choose a length that is a multiple of {sp} (e.g. "
+            f"{option('seq_len', seq_len - seq_len % sp or sp)})"
         )
     if attention == "eager":
         raise ConfigError(
-            f"--sequence-parallel {sp} with eager attention: DeepSpeed's Ulysses refuses eager (it needs an s x s "
-            "mask); use sdpa or flash_attention_2"
+            f"{option('sequence_parallel', sp)} needs {option('attention', 'sdpa')} or flash_attention_2: eager "
+            "attention builds the whole sequence's s x s score matrix, which Ulysses exists to avoid (DeepSpeed "
+            "refuses eager)"
         )
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from common import memory_formulas
 from common.errors import ConfigError
 
 IGNORE_INDEX = -100
@@ -76,26 +77,13 @@ def check_sequence_parallel(
             f"sequence_parallel={size} does not divide the {world_size} rank(s) (world = sequence_parallel x data "
             "parallel)"
         )
-    if seq_len % size:
-        raise ConfigError(
-            f"seq_len={seq_len} is not divisible by sequence_parallel={size}: every rank takes seq_len / {size} "
-            f"tokens (try seq_len={seq_len // size * size or size})"
-        )
-    if num_heads % size:
-        raise ConfigError(
-            f"sequence_parallel={size} does not divide the model's num_attention_heads ({num_heads}): each rank "
-            "attends with heads / sequence_parallel of them"
-        )
-    if num_kv_heads % size and size % num_kv_heads:
-        raise ConfigError(
-            f"sequence_parallel={size} and the model's num_key_value_heads ({num_kv_heads}): one must divide the "
-            "other (DeepSpeed splits or replicates the key/value heads)"
-        )
-    if attention == "eager":
-        raise ConfigError(
-            "sequence_parallel needs attention=sdpa or flash_attention_2: eager attention builds the whole "
-            "sequence's score matrix, which Ulysses exists to avoid (DeepSpeed refuses it)"
-        )
+    # The model's side: the planner's rules, in the recipe's vocabulary.
+    facts = memory_formulas.ModelFacts(
+        num_params=0, architecture="transformer", num_heads=num_heads, num_kv_heads=num_kv_heads, source="the model"
+    )
+    memory_formulas.check_sequence_parallel(
+        facts, size, seq_len=seq_len, attention=attention, option=memory_formulas.recipe_option
+    )
 
 
 def register(model: Any, size: int, micro_batch_size: int, attention: str) -> Any:

@@ -78,7 +78,7 @@ def test_a_bad_sequence_parallel_is_one_clear_error(tmp_path):
     proc = run([PYTHON, FINETUNE, "--describe", *args], timeout=300, check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "num_attention_heads (4)" in errors[0], errors[0]
+    assert "sequence_parallel=3 does not divide the 4 attention heads" in errors[0], errors[0]
 
 
 def test_the_other_refusals_name_the_fix():

@@ -58,7 +58,7 @@ def test_a_bad_sequence_parallel_is_one_clear_error(script, args, message):
 @pytest.mark.parametrize(
     ("args", "message"),
     [  # on 6 ranks (sequence parallel 3 divides them)
-        ({"sequence_parallel": 3, "seq_len": 66}, r"num_attention_heads \(4\)"),
+        ({"sequence_parallel": 3, "seq_len": 66}, "sequence_parallel=3 does not divide the 4 attention heads"),
         ({"sequence_parallel": 2, "attention": "eager"}, "needs attention=sdpa"),
         ({"sequence_parallel": 2, "tensor_parallel": 2}, "use one of them"),
         ({"sequence_parallel": 2, "model": "moe_tiny"}, "with the MoE model"),
