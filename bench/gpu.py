@@ -6,7 +6,8 @@
     python bench/gpu.py --cpu --render    # rewrite the section from bench/results/gpu_cpu_mode.json, measuring nothing
 
 Variants (one fresh process each, bench/_gpu_worker.py): ZeRO stages 0-3, stage 3 + CPU offload, ZeRO++ beside
-stage 3, NVMe offload, ZenFlow and bf16 optimizer states (issue 17), each with the
+stage 3, NVMe offload and bf16 optimizer states (issue 17; not ZenFlow: DeepSpeed builds its optimizers from the
+config's ``optimizer`` section, and the recipes pass their own, tests/distributed/test_zenflow.py), each with the
 config's attention (``auto``: FlashAttention-2 when flash-attn is installed on a GPU, else SDPA) and its
 activation checkpointing (``selective`` in llama_1b.yaml); SDPA forced, to compare with FlashAttention-2;
 activation-checkpointing presets none / full / every_k; a long sequence (``long_seq_len``) with and without
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -58,17 +60,9 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "stage3_offload": ("deepspeed_stage_3_offload", []),
     # Issue 17: ZeRO++ beside plain stage 3 (qwZ and qgZ use DeepSpeed's CUDA quantizer kernels; on one GPU hpZ
     # has one device per node and is off), NVMe offload (ZeRO-Infinity) into the run's temporary folder, and the
-    # newer offload engines: ZenFlow (stall-free ZeRO-Offload) and bf16 optimizer states.
+    # bf16 optimizer states.
     "stage3_zeropp": ("deepspeed_stage_3_zeropp", []),
     "stage3_nvme": ("deepspeed_stage_3_offload_nvme", ["nvme_path={tmp}/nvme"]),
-    "stage2_zenflow": (
-        "deepspeed_stage_2_offload",
-        [
-            "ds_overrides=zero_optimization.zenflow.topk_ratio=0.05,zero_optimization.zenflow.select_strategy=auto,"
-            "zero_optimization.zenflow.update_interval=4,zero_optimization.zenflow.full_warm_up_rounds=0,"
-            "zero_optimization.zenflow.overlap_step=true"
-        ],
-    ),
     "stage2_bf16_states": (
         "deepspeed_stage_2",
         ["ds_overrides=bf16.bf16_master_weights_and_grads=true,bf16.bf16_optimizer_states=true"],
@@ -101,12 +95,28 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 }
 PROCESSES = {"long_sp2": 2}  # one process (device) unless named here
 GiB = 2**30
+RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:")  # torchrun's prefix on a rank's output
+EXCEPTION_LINE = re.compile(r"(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b:?")  # ValueError: ...
+
+
+def failure_reason(output: str) -> str:
+    """The exception a failed launch ended with (``ValueError: ...``), found in its output: the last line that starts
+    with an exception's name (after a ``[rank0]:`` prefix), other than torchrun's own ``ChildFailedError`` that
+    wraps it; torchrun's other lines (``traceback : To enable traceback see ...``) are not one."""
+    lines = [RANK_PREFIX.sub("", line).strip() for line in output.splitlines()]
+    lines = [line for line in lines if line]
+    raised = [line for line in lines if EXCEPTION_LINE.match(line) and "ChildFailedError" not in line]
+    return (raised[-1] if raised else lines[-1] if lines else "failed without output")[:200]
 
 
 def run_variant(name: str, base: dict, tmp: Path) -> dict:
     preset, extra = VARIANTS[name]
     extra = [item.replace("{tmp}", str(tmp / name)) for item in extra]  # a folder of the variant's own
     extra = [item.replace("{long_seq_len}", str(base["long_seq_len"])) for item in extra]
+    for item in extra:
+        key, _, value = item.partition("=")
+        if key == "nvme_path":  # the recipes refuse a swap folder that does not exist yet
+            Path(value).mkdir(parents=True, exist_ok=True)
     variant = {**base, "name": name, "overrides": [*base["overrides"], f"preset={preset}", *extra]}
     out = tmp / f"{name}.json"
     started = time.perf_counter()
@@ -120,8 +130,7 @@ def run_variant(name: str, base: dict, tmp: Path) -> dict:
             timeout=240,
         )
     except (RuntimeError, OSError) as err:
-        lines = [line for line in str(err).splitlines() if "Error" in line or "error" in line]
-        return {**variant, "error": (lines[-1] if lines else str(err).splitlines()[-1])[:200]}
+        return {**variant, "error": failure_reason(str(err))}
     except Exception as err:  # subprocess.TimeoutExpired: the variant took too long
         return {**variant, "error": f"{type(err).__name__}: {err}"[:200]}
     result = json.loads(out.read_text())

@@ -37,7 +37,7 @@ from common.memory_formulas import (
     swap_threshold_bytes,
     transformer_activations,
 )
-from common.strategy import AIO_KEYS, AIO_OLD_NAMES
+from common.strategy import AIO_KEYS, AIO_OLD_NAMES, auto_placeholders
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -210,17 +210,6 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def _auto_keys(node: Any, prefix: str = "") -> list[str]:
-    if isinstance(node, dict):
-        found = []
-        for key, value in node.items():
-            found += _auto_keys(value, f"{prefix}{key}.")
-        return found
-    if isinstance(node, list):
-        return [k for i, v in enumerate(node) for k in _auto_keys(v, f"{prefix}{i}.")]
-    return [prefix[:-1]] if node == "auto" else []
-
-
 def _version_tuple(text: str) -> tuple[int, ...]:
     parts = []
     for piece in text.split("+")[0].split("."):
@@ -289,7 +278,7 @@ def rule_auto_values(view: LintView) -> list[Finding]:
     """``"auto"`` is filled only by the Hugging Face Trainer (Accelerate fills a documented subset)."""
     if view.ds_config is None or view.backend == "hf_trainer":
         return []
-    keys = _auto_keys(view.ds_config)
+    keys = auto_placeholders(view.ds_config)
     if not keys:
         return []
     fix = (
@@ -1036,6 +1025,13 @@ def rule_zenflow(view: LintView) -> list[Finding]:
         problems.append(f"select_interval {select} is below update_interval {update}")
     if zenflow.get("offload") and not view.zero.get("overlap_comm"):
         problems.append("zenflow.offload needs overlap_comm true")
+    if not isinstance((view.ds_config or {}).get("optimizer"), dict):
+        # ZenFlowZeroOptimizer builds its selective AdamW with **optimizer_params, the config's optimizer.params.
+        problems.append(
+            "DeepSpeed builds ZenFlow's optimizers from the config's optimizer section, and there is none: with a "
+            "client optimizer (what the recipes pass) initialize fails ('argument after ** must be a mapping, not "
+            "NoneType')"
+        )
     if not problems:
         return [
             Finding(

@@ -77,6 +77,12 @@ RUN_FACT_KEYS = {
     "gradient_accumulation_steps": "grad_accum",
 }
 
+# Keys where "auto" is DeepSpeed's own setting, not the Hugging Face placeholder the factory resolves: ZenFlow picks
+# its important-gradient strategy and intervals itself (deepspeed.runtime.zenflow.zenflow_config.ZenFlowConfig).
+DEEPSPEED_AUTO_KEYS = frozenset(
+    f"zero_optimization.zenflow.{key}" for key in ("select_strategy", "select_interval", "update_interval")
+)
+
 
 @dataclass(frozen=True)
 class RunFacts:
@@ -385,9 +391,20 @@ def _validate(config: dict[str, Any], preset_name: str, forbid_fp16: bool) -> No
         first = str(exc).splitlines()
         detail = " ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(exc)
         raise ConfigError(f"invalid zero_optimization: {detail}") from None
-    for key, value in config.items():
-        if value == "auto" or (isinstance(value, dict) and "auto" in json.dumps(value)):
-            raise ConfigError(f"{key} is 'auto'; the factory resolves every value, pass a number")
+    placeholders = auto_placeholders(config)
+    if placeholders:
+        raise ConfigError(f"{placeholders[0]} is 'auto'; the factory resolves every value, pass a number")
+
+
+def auto_placeholders(node: Any, prefix: str = "") -> list[str]:
+    """The dotted keys (``zero_optimization.reduce_bucket_size``) whose value is the Hugging Face placeholder
+    ``"auto"``; DeepSpeed's own ``"auto"`` settings (:data:`DEEPSPEED_AUTO_KEYS`) are not one."""
+    if isinstance(node, dict):
+        return [found for key, value in node.items() for found in auto_placeholders(value, f"{prefix}{key}.")]
+    if isinstance(node, list):
+        return [found for index, value in enumerate(node) for found in auto_placeholders(value, f"{prefix}{index}.")]
+    key = prefix[:-1]
+    return [key] if node == "auto" and key not in DEEPSPEED_AUTO_KEYS else []
 
 
 def resolve_deepspeed_config(

@@ -16,8 +16,9 @@ import pytest
 import yaml
 from golden.regenerate import FACTS, GOLDEN
 
-from common import strategy
+from common import lint, strategy
 from common.errors import ConfigError
+from common.lint import LintView
 from common.memory_formulas import nvme_swapped_bytes_per_rank
 from common.presets import PRESETS
 from common.strategy import (
@@ -57,6 +58,24 @@ def test_gradient_clipping_is_always_written(name, clipping):
     assert isinstance(resolved["gradient_clipping"], float) and resolved["gradient_clipping"] == clipping
     assert lightning_strategy_config(resolved)["gradient_clipping"] == clipping
     assert json.loads((GOLDEN / f"{name}.json").read_text())["gradient_clipping"] == FACTS.gradient_clipping
+
+
+def test_zenflows_own_auto_passes_and_the_placeholder_is_refused_by_its_dotted_key():
+    """ZenFlow's "auto" strategy and intervals are DeepSpeed settings (its config validates them), not the Hugging Face
+    placeholder the factory resolves; DeepSpeed's own ZenFlowConfig is the reference that they are valid."""
+    from deepspeed.runtime.zenflow.zenflow_config import ZenFlowConfig
+
+    zenflow = {f"zero_optimization.zenflow.{key}": "auto" for key in ("select_strategy", "update_interval")}
+    resolved = resolve_deepspeed_config(
+        "deepspeed_stage_2_offload", FACTS, {**zenflow, "zero_optimization.zenflow.topk_ratio": 0.05}
+    )
+    section = resolved["zero_optimization"]["zenflow"]
+    assert section["select_strategy"] == "auto" and ZenFlowConfig(**section).update_interval == "auto"
+    assert "auto-values" not in [f.rule_id for f in lint.run_rules(LintView(ds_config=resolved))]
+    with pytest.raises(ConfigError, match=r"^zero_optimization.reduce_bucket_size is 'auto'"):
+        resolve_deepspeed_config("deepspeed_stage_2", FACTS, {"zero_optimization.reduce_bucket_size": "auto"})
+    placeholder = {**resolved, "zero_optimization": {**resolved["zero_optimization"], "reduce_bucket_size": "auto"}}
+    assert "auto-values" in [f.rule_id for f in lint.run_rules(LintView(ds_config=placeholder))]
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
