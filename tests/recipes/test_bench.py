@@ -84,6 +84,18 @@ def test_gpu_script_cpu_mode_runs_offload_sequence_parallel_and_tiling_variants(
     assert rendered.read_text() == text
 
 
+@pytest.mark.slow
+def test_gpu_script_nvme_variant_starts_and_a_failed_variant_names_its_exception(tmp_path):
+    """The NVMe variant swaps into a folder of its own (the recipes refuse one that does not exist); ZeRO++'s
+    quantized collectives have no CPU kernel, and its row says why in the run's own words, not torchrun's."""
+    results = tmp_path / "gpu.json"
+    args = ["--cpu", "--variants", "stage3_nvme,stage3_zeropp", "--doc", tmp_path / "x.md", "--json", results]
+    run([PYTHON, "bench/gpu.py", *args], timeout=300)
+    nvme, zeropp = read_results(results)[1]["variants"]
+    assert "error" not in nvme and nvme["tokens_per_s"] > 0, nvme
+    assert zeropp["error"].startswith("common.errors.ConfigError: config linter: [zeropp-quantized-needs-gpu]"), zeropp
+
+
 def test_checkpoint_bench_cpu_mode_writes_its_results_with_provenance(tmp_path):
     """bench/checkpoint.py on a 0.5M-parameter model, one launch: both writers measured, results renderable."""
     results = tmp_path / "checkpoint.json"
