@@ -28,7 +28,6 @@ loss on the same files, in the test) and trains 150 steps, so that it also backs
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from collections import Counter
@@ -96,7 +95,6 @@ PRETRAIN_STEPS = 500  # next-token steps that turn the random base into one with
 EXE = shutil.which("zero-recipes")
 
 
-@functools.cache
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory) -> Path:
     """A 2-layer Llama (about 150k parameters) and its BPE tokenizer, saved as a Hugging Face folder."""
