@@ -6,14 +6,12 @@ user's 2-D ``.npz``: fast, in-process. The runs themselves are in tests/recipes/
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 
 import numpy as np
 import pytest
 import torch
-from _util import REPO
+from _util import REPO, recipe_module
 from safetensors.torch import load_file
 
 from common.errors import ConfigError
@@ -25,14 +23,8 @@ from science.plots import plot_fields
 RECIPE = REPO / "recipes" / "science"
 
 
-def recipe_module(name: str):
-    if str(RECIPE) not in sys.path:
-        sys.path.insert(0, str(RECIPE))
-    return importlib.import_module(name)
-
-
 def config(**overrides):
-    return recipe_module("science_config").ScienceConfig(**overrides)
+    return recipe_module(RECIPE, "science_config").ScienceConfig(**overrides)
 
 
 DARCY = {"model": "fno2d", "data": "darcy", "grid_size": 85, "solve_grid": 421, "superres_factor": 1, "modes": 12}
@@ -64,7 +56,7 @@ def test_impossible_science_configs_are_one_clear_error(overrides, message):
 
 
 def test_public_generator_field_is_the_papers_gen_burgers1():
-    fields = recipe_module("science_config").INITIAL_FIELDS
+    fields = recipe_module(RECIPE, "science_config").INITIAL_FIELDS
     # gen_burgers1.m: GRF1(N/2, 0, gamma=2.5, tau=7, sigma=7^2); the text's field: alpha 2, tau 5, sigma 25.
     assert fields["public_generator"] == {"alpha": 2.5, "tau": 7.0, "sigma": 49.0}
     assert fields["paper_text"] == {"alpha": 2.0, "tau": 5.0, "sigma": 25.0}
@@ -96,7 +88,7 @@ def test_standardised_fno_equals_the_plain_fno_on_hand_standardised_data():
 
 
 def test_pairs_scaling_is_the_training_datas_mean_spread_and_rms():
-    Pairs = recipe_module("operator_learning").Pairs
+    Pairs = recipe_module(RECIPE, "operator_learning").Pairs
     x = torch.tensor([[3.0, 12.0], [12.0, 12.0]])
     y = torch.tensor([[0.03, 0.04], [0.0, 0.0]])
     scaling = Pairs(x, y, x[:1], y[:1], {}).scaling()
@@ -106,7 +98,7 @@ def test_pairs_scaling_is_the_training_datas_mean_spread_and_rms():
 
 
 def test_export_config_rebuilds_the_darcy_model_with_its_scaling(tmp_path):
-    learning = recipe_module("operator_learning")
+    learning = recipe_module(RECIPE, "operator_learning")
     cfg = config(
         **{
             **DARCY,
