@@ -8,6 +8,7 @@ import datetime
 import fcntl
 import importlib.metadata
 import json
+import math
 import os
 import re
 import shlex
@@ -180,6 +181,28 @@ def rotated(items: tuple[T, ...], by: int) -> tuple[T, ...]:
 def spread(values: list[float]) -> tuple[float, float]:
     """(min, max) of the repetitions: how far apart interleaved runs landed."""
     return min(values), max(values)
+
+
+MEDIAN_CONFIDENCE = 1 - 2 / 2**5  # what (min, max) of 5 repetitions gives: 93.75 %
+
+
+def median_interval(values: list[float], confidence: float = MEDIAN_CONFIDENCE) -> tuple[float, float, float]:
+    """(low, high, coverage): a distribution-free confidence interval of the median of what ``values`` sample.
+
+    The k-th smallest and k-th largest value hold the median between them unless fewer than k values fall on one
+    side of it, which has probability 2 P(Binomial(n, 1/2) < k) for any continuous distribution. The largest k whose
+    coverage is still at least ``confidence``: (min, max) over 5 repetitions, the 2nd smallest to the 2nd largest
+    over 9 (96.1 %). Below 5 values no k reaches 93.75 %; (min, max) is returned with the coverage it has.
+    """
+    ordered, n = sorted(values), len(values)
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, below) for below in range(k)) / 2**n
+
+    k = 1
+    while k + 1 <= n // 2 and coverage(k + 1) >= confidence:
+        k += 1
+    return ordered[k - 1], ordered[n - k], coverage(k)
 
 
 def write_section(
