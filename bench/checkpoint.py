@@ -377,7 +377,49 @@ def render_body(results: dict) -> str:
             f"| {row['num_params'] / 1e6:.0f}M | {row['world_size']} | {row['checkpoint_bytes'] / 1e9:.2f} | "
             f"{median:.2f} ({low:.2f}-{high:.2f}) | {row['checkpoint_bytes'] / 1e9 / median:.2f} |"
         )
-    return "\n".join(lines)
+    sentence = scaling_sentence(results["scaling"])
+    return "\n".join([*lines, "", sentence] if sentence else lines)
+
+
+def scaling_sentence(scaling: list[dict]) -> str:
+    """The scaling the table shows, in words: the exponent of save time in checkpoint bytes (2 processes, smallest
+    to largest model), and the time at each process count for the model measured with several."""
+
+    def seconds(row: dict) -> float:
+        return statistics.median(row["sync_save_s"])
+
+    by_size = sorted((r for r in scaling if r["world_size"] == 2), key=lambda r: r["checkpoint_bytes"])
+    parts = []
+    if len(by_size) >= 2 and by_size[-1]["checkpoint_bytes"] > by_size[0]["checkpoint_bytes"]:
+        small, large = by_size[0], by_size[-1]
+        exponent = math.log(seconds(large) / seconds(small)) / math.log(
+            large["checkpoint_bytes"] / small["checkpoint_bytes"]
+        )
+        shape = "about linear" if 0.8 <= exponent <= 1.2 else ("sublinear" if exponent < 0.8 else "superlinear")
+        parts.append(
+            f"By size (2 processes): x{large['checkpoint_bytes'] / small['checkpoint_bytes']:.1f} the bytes took "
+            f"x{seconds(large) / seconds(small):.1f} the time, save time ~ bytes^{exponent:.2f} ({shape})."
+        )
+    counts: dict[int, list[dict]] = {}
+    for row in scaling:
+        counts.setdefault(row["num_params"], []).append(row)
+    several = [rows for rows in counts.values() if len(rows) > 1]
+    if several:
+        rows = sorted(several[0], key=lambda r: r["world_size"])
+        times = ", ".join(f"{r['world_size']}: {seconds(r):.2f} s" for r in rows)
+        ratio = seconds(rows[-1]) / seconds(rows[0])
+        parallel = rows[0]["world_size"] / rows[-1]["world_size"]  # the ratio of a perfectly parallel write
+        parts.append(
+            f"By process count ({rows[0]['num_params'] / 1e6:.0f}M, the same bytes split over more ranks): {times}; "
+            f"x{ratio:.2f} from {rows[0]['world_size']} to {rows[-1]['world_size']} processes"
+            + (
+                f", close to the x{parallel:.2f} of a perfectly parallel write: each rank writes its own shards."
+                if ratio <= 1.25 * parallel
+                else f", far from the x{parallel:.2f} of a perfectly parallel write: the ranks write their shards at "
+                "once but share one disk and its page cache."
+            )
+        )
+    return " ".join(parts)
 
 
 def write_cost_sentence(cost: dict) -> str:
