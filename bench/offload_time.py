@@ -13,8 +13,10 @@ for the NVMe tier, each against a measurement that does not use the planner:
 - the bytes per step per rank: the planner's ``nvme`` terms against the kernel's block-layer counters of each
   rank (``/proc/self/io`` read_bytes + write_bytes: DeepSpeed's O_DIRECT swap I/O, not the page cache);
 - the seconds the disk is busy per step: the planner's ``nvme`` link seconds (both ranks' bytes over this disk's
-  bandwidth, measured by bench/nvme_io.py at the preset's ``aio`` settings: its results file) against the
-  device's own busy time (/proc/diskstats io_ticks);
+  bandwidth, measured in the same run before every repetition's trainings, with bench/nvme_io.py's node
+  measurement: ``ds_io`` at the preset's ``aio`` settings, 2 processes at once, in a folder beside the swap
+  folders) against the device's own busy time (/proc/diskstats io_ticks). A shared or virtual disk's bandwidth
+  drifts from day to day, so a figure measured on another day would judge the planner against another disk;
 - beside them, the step time NVMe adds over CPU offload (same CPU Adam, same copies).
 
 The CPU tier (CPU offload minus ZeRO-3) is shown too, with the planner's ``pcie`` terms priced at this machine's
@@ -46,13 +48,15 @@ from _bench_util import (  # noqa: E402
     table_head,
     write_results,
 )
+from nvme_io import measure_node  # noqa: E402
 
 from common.errors import exit_on_user_error  # noqa: E402
 from common.memory_formulas import link_seconds, offload_traffic  # noqa: E402
 from common.presets import get_preset  # noqa: E402
 
 RESULTS = HERE / "results" / "offload_time.json"
-NVME_IO = HERE / "results" / "nvme_io.json"
+DISK_FILE_BYTES = 256 * 2**20  # per ds_io process and loop: nvme_io.py's default size
+DISK_LOOPS = 3  # timed loops per direction, per repetition
 VARIANTS = {
     "stage3": "deepspeed_stage_3",
     "cpu": "deepspeed_stage_3_offload",
@@ -86,52 +90,56 @@ def copy_gbps(threads: int, size_bytes: int = 256 * 2**20, reps: int = 5) -> flo
         torch.set_num_threads(previous)
 
 
-def disk_gbps(ranks: int) -> dict:
-    """This disk's NVMe-tier bandwidth from bench/nvme_io.py's results, at the preset's aio settings: measured with
-    ``ranks`` processes at once when it was (the node's figure, which the planner's shared link divides by), else
-    with one."""
-    document = load_document(NVME_IO)
+def measure_disk(ranks: int) -> dict:
+    """This disk's NVMe-tier bandwidth now: ``ranks`` ``ds_io`` processes at once at the preset's aio settings (the
+    node's figure, which the planner's shared link divides by), in a folder under the current directory, where the
+    NVMe variant's swap folder goes."""
     aio = get_preset("deepspeed_stage_3_offload_nvme")["aio"]
-    node = document["results"].get("node")
-    if (
-        node
-        and node["processes"] == ranks
-        and (node["block_size"], node["queue_depth"])
-        == (
-            aio["block_size"],
-            aio["queue_depth"],
-        )
-    ):
-        read, write = median(node["read_gbps"]), median(node["write_gbps"])
-        return {"gbps": (read + write) / 2, "read_gbps": read, "write_gbps": write, "processes": ranks, **aio}
-    for run in document["results"]["runs"]:
-        if run["block_size"] == aio["block_size"] and run["queue_depth"] == aio["queue_depth"]:
-            read, write = median(run["read_gbps"]), median(run["write_gbps"])
-            return {"gbps": (read + write) / 2, "read_gbps": read, "write_gbps": write, "processes": 1, **aio}
-    raise ValueError(f"{NVME_IO} has no run at the preset's aio settings {aio}: rerun python bench/nvme_io.py")
+    with tempfile.TemporaryDirectory(prefix="zr-offload-disk-", dir=Path.cwd()) as folder:
+        return measure_node(Path(folder), DISK_FILE_BYTES, DISK_LOOPS, aio, ranks)
+
+
+def disk_bandwidth(rows: list[dict]) -> dict:
+    """The repetitions' disk measurements as the planner's one NVMe bandwidth: the mean of the median read and the
+    median write GB/s (a step swaps both ways), every loop of every repetition counted."""
+    read = median([gbps for row in rows for gbps in row["read_gbps"]])
+    write = median([gbps for row in rows for gbps in row["write_gbps"]])
+    first = rows[0]
+    return {
+        "gbps": (read + write) / 2,
+        "read_gbps": read,
+        "write_gbps": write,
+        "processes": first["processes"],
+        "block_size": first["block_size"],
+        "queue_depth": first["queue_depth"],
+        "per_rep": rows,
+    }
 
 
 def run_variant(variant: str, width: int, depth: int, steps: int, tmp: Path) -> dict:
     out = tmp / f"{variant}.json"
     args = ["--preset", VARIANTS[variant], "--width", str(width), "--depth", str(depth), "--steps", str(steps)]
-    # The swap folder on the disk nvme_io.py measured (under the current directory), removed even when a run fails.
+    # The swap folder on the disk measure_disk measured (under the current directory), removed even when a run fails.
     with tempfile.TemporaryDirectory(prefix="zr-offload-time-", dir=Path.cwd()) as swap:
         args += ["--nvme-path", swap] if variant == "nvme" else []
         launch_group(HERE / "_offload_worker.py", "raw", VARIANTS[variant], [*args, "--out", str(out)], timeout=1200)
     return json.loads(out.read_text())
 
 
-def measure(width: int, depth: int, steps: int, reps: int) -> dict:
+def measure(width: int, depth: int, steps: int, reps: int) -> tuple[dict, list[dict]]:
+    """Per variant, per repetition, the run's record; and per repetition, the disk's bandwidth measured before it."""
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    disk_rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(reps):
+            disk_rows.append(measure_disk(ranks=2))  # the worker's 2 processes
             order = list(VARIANTS)[rep % len(VARIANTS) :] + list(VARIANTS)[: rep % len(VARIANTS)]
             for variant in order:
                 record = run_variant(variant, width, depth, steps, Path(tmp))
                 record["median_step_s"] = median(record["step_s"][WARMUP:])
                 runs[variant].append(record)
                 print(f"rep {rep} {variant:>6}: median step {record['median_step_s'] * 1e3:8.1f} ms", flush=True)
-    return runs
+    return runs, disk_rows
 
 
 def predicted_seconds(num_params: int, world_size: int, offload: str, link: str, bandwidth_gbps: float) -> dict:
@@ -215,8 +223,8 @@ def render_offload_time(results: dict) -> str:
             f" — both within {GOAL:.0%}."
             if bytes_ok and time_ok
             else f": the goal (within {GOAL:.0%}) does not hold for the time. With both ranks' reads and writes in "
-            f"flight the disk moved {effective:.2f} GB/s, against the {nvme['bandwidth_gbps']:.2f} GB/s it was "
-            "given from bench/nvme_io.py; the planner is as good as the bandwidth it is given "
+            f"flight the disk moved {effective:.2f} GB/s, against the {nvme['bandwidth_gbps']:.2f} GB/s that ds_io "
+            "measured in the same run; the planner is as good as the bandwidth it is given "
             "(`--bandwidth nvme=GB/s`)."
         )
     )
@@ -242,9 +250,12 @@ def render_offload_time(results: dict) -> str:
             f"Model: {settings['depth']} bias-free {settings['width']} x {settings['width']} layers "
             f"({summary['num_params']:,} parameters, fp32), {summary['world_size']} CPU processes, micro batch 8, "
             f"{settings['reps']} interleaved repetitions of {settings['steps']} steps ({WARMUP} warm-up). The "
-            f"disk's bandwidth is bench/nvme_io.py's at the preset's aio settings (block "
-            f"{disk['block_size'] // 2**20} MiB, queue depth {disk['queue_depth']}: read {disk['read_gbps']:.2f}, "
-            f"write {disk['write_gbps']:.2f} GB/s, their mean used), {disk.get('processes', 1)} process(es) at once. "
+            "disk's bandwidth was measured in the same run, before each repetition's trainings: ds_io "
+            f"(bench/nvme_io.py's node measurement) at the preset's aio settings (block "
+            f"{disk['block_size'] // 2**20} MiB, queue depth {disk['queue_depth']}), {disk['processes']} processes at "
+            f"once: read {disk['read_gbps']:.2f} GB/s ({disk_spread(disk, 'read_gbps')}), write "
+            f"{disk['write_gbps']:.2f} GB/s ({disk_spread(disk, 'write_gbps')}), medians over every loop, their mean "
+            "used. "
             "The planner's bytes count each "
             "parameter partition read twice (forward and backward); DeepSpeed read it once here, because its "
             "parameter buffers (`buffer_count` x `buffer_size`) held every partition between the two passes.",
@@ -252,6 +263,11 @@ def render_offload_time(results: dict) -> str:
             *steps,
         ]
     )
+
+
+def disk_spread(disk: dict, key: str) -> str:
+    low, high = spread([gbps for row in disk["per_rep"] for gbps in row[key]])
+    return f"{low:.2f}-{high:.2f}"
 
 
 def render_sections(document: dict) -> dict[str, str]:
@@ -273,9 +289,9 @@ def main() -> None:
         return
     if args.steps <= WARMUP or args.reps < 1:
         parser.error(f"need --steps > {WARMUP} (the warm-up) and --reps >= 1")
-    disk = disk_gbps(ranks=2)  # the worker's 2 processes
+    runs, disk_rows = measure(args.width, args.depth, args.steps, args.reps)
+    disk = disk_bandwidth(disk_rows)
     bandwidths = {"pcie": copy_gbps(threads=1), "nvme": disk["gbps"], "disk": disk}
-    runs = measure(args.width, args.depth, args.steps, args.reps)
     results = {
         "settings": {"width": args.width, "depth": args.depth, "steps": args.steps, "reps": args.reps},
         "bandwidths": bandwidths,
