@@ -1,6 +1,6 @@
 """ZeRO-1 with data, tensor, pipeline and expert parallelism, side by side on 2 processes (docs/parallelism.md).
 
-    python bench/parallelism.py             # five 2-process runs of the NLP recipe, about 1-2 minutes each
+    python bench/parallelism.py             # five 2-process runs of the NLP recipe (about a minute in all here)
     python bench/parallelism.py --render    # rewrite docs/parallelism.md's table from bench/results/parallelism.json
 
 Each layout is the NLP recipe's own entry point as a user launches it, on the tiny Llama (or its MoE variant),
