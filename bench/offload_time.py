@@ -1,6 +1,6 @@
 """What each offload tier adds to a step, measured, beside the planner's time column (issue 17).
 
-    python bench/offload_time.py                 # 3 interleaved reps of stage 3, + CPU offload, + NVMe (~10 min)
+    python bench/offload_time.py                 # 3 interleaved reps of stage 3, + CPU offload, + NVMe (~5 min)
     python bench/offload_time.py --render        # docs/benchmarks.md from the results file only
 
 The planner (``zero-recipes estimate``, common/memory_formulas.offload_traffic and link_seconds) divides the bytes
