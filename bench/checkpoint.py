@@ -294,7 +294,7 @@ def verdict(median: float, upper: float, bar: float) -> str:
     return f"not met (median {median:.3f} > {bar})"
 
 
-def interval_words(interval: list[float] | tuple[float, float, float]) -> str:
+def interval_words(interval: tuple[float, float, float]) -> str:
     low, high, coverage = interval
     return f"{coverage:.2%} interval of the median {low:.3f}-{high:.3f}"
 
@@ -319,10 +319,7 @@ def render_body(results: dict) -> str:
         "time is the save call plus the wait of the next optimizer step for the copy to host memory "
         f"({stall['update_waits']} of {len(stall['blocked_s']['async'])} saves waited there). The throughput bar is "
         f"judged at the largest save interval N at which a synchronous save measured at least "
-        f"{SYNC_SHARE_FLOOR:.0%} of the run (N = {judged} here; N = 1 is always measured too). A bar is met only "
-        "when the upper end of the median's distribution-free confidence interval is within it (order statistics of "
-        "the repetitions' ratios, at least 93.75 % coverage: min-max of 5 repetitions, 2nd smallest to 2nd largest "
-        "of 9), so that noise cannot decide it.",
+        f"{SYNC_SHARE_FLOOR:.0%} of the run (N = {judged} here; N = 1 is always measured too).",
         "",
         "| | synchronous | asynchronous (`async_save=true`) | ratio | bar |",
         "|---|---|---|---|---|",

@@ -295,7 +295,8 @@ def render_nvme_io(results: dict) -> str:
             f"a node swap at once): **write {cell(node['write_gbps'])}, read {cell(node['read_gbps'])} GB/s for the "
             "node**. The planner's NVMe link is the node's (its ranks' bytes add up), so this is the figure to give "
             f"it: `--bandwidth nvme={(median(node['write_gbps']) + median(node['read_gbps'])) / 2:.2f}` (the mean of "
-            "the two; bench/offload_time.py checks it against the disk's busy time).",
+            "the two; bench/offload_time.py measures this figure again in its own run and checks the planner's "
+            "disk time at it against the disk's busy time).",
         ]
         if node
         else []

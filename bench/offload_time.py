@@ -99,11 +99,15 @@ def measure_disk(ranks: int) -> dict:
         return measure_node(Path(folder), DISK_FILE_BYTES, DISK_LOOPS, aio, ranks)
 
 
+def every_loop(rows: list[dict], key: str) -> list[float]:
+    """The GB/s of every timed ds_io loop of every repetition, in one direction (``read_gbps`` or ``write_gbps``)."""
+    return [gbps for row in rows for gbps in row[key]]
+
+
 def disk_bandwidth(rows: list[dict]) -> dict:
     """The repetitions' disk measurements as the planner's one NVMe bandwidth: the mean of the median read and the
     median write GB/s (a step swaps both ways), every loop of every repetition counted."""
-    read = median([gbps for row in rows for gbps in row["read_gbps"]])
-    write = median([gbps for row in rows for gbps in row["write_gbps"]])
+    read, write = median(every_loop(rows, "read_gbps")), median(every_loop(rows, "write_gbps"))
     first = rows[0]
     return {
         "gbps": (read + write) / 2,
@@ -266,7 +270,7 @@ def render_offload_time(results: dict) -> str:
 
 
 def disk_spread(disk: dict, key: str) -> str:
-    low, high = spread([gbps for row in disk["per_rep"] for gbps in row[key]])
+    low, high = spread(every_loop(disk["per_rep"], key))
     return f"{low:.2f}-{high:.2f}"
 
 
