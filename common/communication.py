@@ -254,11 +254,32 @@ def released_before_backward(
 # --- the account ---------------------------------------------------------------------------------------------
 
 
+def forward_numels(facts: ModelFacts) -> tuple[int, ...]:
+    """The model's parameters in forward order: ``param_numels`` when they list the matrices one by one, else a
+    Llama-shaped list from the shape (embedding; per layer a norm, the attention's four matrices, a norm, the MLP's
+    three; the final norm and the output layer) scaled to ``num_params``.
+
+    ``assumed_transformer`` (a bare ``--params``) lumps every matrix into one entry, which would hide the order that
+    stage 3's reuse distance reads; a lump is recognised as one entry holding over half of the parameters.
+    """
+    numels = facts.param_numels
+    lumped = not numels or (max(numels) > facts.num_params / 2 and (facts.num_layers or 0) > 1)
+    if not lumped or not (facts.hidden_size and facts.num_layers):
+        return numels or (facts.num_params,)
+    h, layers = facts.hidden_size, facts.num_layers
+    inter = facts.intermediate_size or int(8 * h / 3)
+    vocab = facts.vocab_size or 0
+    layer = (h, h * h, h * h, h * h, h * h, h, h * inter, h * inter, h * inter)
+    shape = (vocab * h, *(layer * layers), h, vocab * h)
+    scale = facts.num_params / sum(shape)
+    return tuple(max(1, round(n * scale)) for n in shape)
+
+
 def _rank_numels(facts: ModelFacts, layout: ParallelLayout) -> tuple[tuple[int, ...], int]:
     """(dense parameters of this rank in forward order, expert parameters of this rank): the model's parameters
     scaled to the rank's tensor/pipeline slice (:func:`common.memory_formulas.rank_params`)."""
     dense, experts = rank_params(facts, layout)
-    numels = facts.param_numels or (facts.num_params,)
+    numels = forward_numels(facts)
     total_dense = facts.num_params - facts.expert_params
     scale = dense / total_dense if total_dense else 0.0
     # Experts are a lump of their own (a separate ZeRO group); the rest scales to the rank's slice.

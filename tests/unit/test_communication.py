@@ -11,6 +11,7 @@ from common.communication import (
     Link,
     Transfer,
     compute_seconds,
+    forward_numels,
     links_from_doctor,
     parse_link,
     plan_communication,
@@ -211,3 +212,15 @@ def test_bad_setups_are_one_line_errors():
             CommSetup(**kwargs)
         assert "\n" not in str(err.value)
     assert math.isfinite(plan_seconds(plan(3), LINK_CLASSES["pcie3"]))
+
+
+def test_a_bare_parameter_count_gets_a_layer_by_layer_order():
+    """``--params`` lumps the matrices; the reuse distance needs them in order: a 7B model re-gathers its early layers
+    for the backward pass (their next use lies over 1e9 elements ahead) and keeps the last ones gathered."""
+    facts = assumed_transformer(7_000_000_000)
+    numels = forward_numels(facts)
+    assert sum(numels) == pytest.approx(facts.num_params, rel=1e-6) and len(numels) == 9 * facts.num_layers + 3
+    p = plan_communication(facts, CommSetup(stage=3, persistence_threshold=0), ParallelLayout(world_size=8))
+    forward, backward = [t.message_bytes for t in p.transfers if t.collective == "all_gather"]
+    assert 0.5 * forward < backward < forward
+    assert forward_numels(FACTS) == NUMELS  # listed one by one: kept as they are
