@@ -74,16 +74,13 @@ def build(row: dict, world: int, nvme: str) -> tuple:
 
 
 def run_row(row: dict, steps: int, nvme: str) -> dict:
-    from deepspeed.comm.comm import comms_logger
-
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     engine, ds_config, numels = build(row, world, nvme)
     ga, mb, seq = row.get("grad_accum", 1), row["micro_batch_size"], row["seq_len"]
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, VOCAB, (mb, seq), generator=g) for _ in range(ga)]  # one fixed step, every step
     records = []
-    comms_logger.reset_data()
-    before = take_snapshot()
+    before = take_snapshot()  # DeepSpeed's op timers keep running totals: a row's steps are differences
     for _ in range(steps):
         WAITED["seconds"] = 0.0
         torch.distributed.barrier()  # every rank starts the step together: waits are the step's, not the last one's
@@ -97,7 +94,7 @@ def run_row(row: dict, steps: int, nvme: str) -> dict:
         after = take_snapshot()
         logged = snapshot_difference(before, after)
         before = after
-        sync_seconds = sum(seconds for sizes in logged.values() for _, seconds in sizes.values())
+        sync_seconds = sum(op["seconds"] for op in logged.values())
         records.append({"logged": logged, "wall_s": wall, "comm_s": sync_seconds + WAITED["seconds"]})
     engine.destroy()
     return {"name": row["name"], "rank": rank, "ds_config": ds_config, "param_numels": numels, "steps": records}

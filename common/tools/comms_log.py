@@ -11,7 +11,8 @@ never says which step a call belonged to, and the recipes' factory does not pass
 Accelerate or torchrun launcher starts) then imports ``sitecustomize`` from that folder, which calls
 :func:`setup_comms_log`: once ``deepspeed.runtime.engine`` is imported, the logger is on (``prof_all``) and each
 optimizer step (``DeepSpeedEngine._take_model_step``, the pipeline engine's too) ends with a snapshot of the counts;
-at exit each rank writes ``rank<N>.json`` into the folder: per step, per op and message size, calls and seconds.
+at exit each rank writes ``rank<N>.json`` into the folder: per step and op, the calls per message size and the
+seconds spent in the op.
 Nothing else changes in the run: the log's cost is a host synchronisation per collective, none on a CPU.
 
 :func:`read_comms_log` reads the folder back; :func:`steady_steps` drops the first step (it gathers parameters to
@@ -62,24 +63,33 @@ def comms_log_env(folder: Path) -> dict[str, str]:
     return {ENV_VAR: str(folder), "PYTHONPATH": path}
 
 
-def take_snapshot() -> dict[str, dict[int, tuple[int, float]]]:
+def take_snapshot() -> dict[str, tuple[dict[int, int], float]]:
+    """DeepSpeed's log so far: ``{op: ({message bytes: calls}, seconds in the op so far)}``.
+
+    DeepSpeed 0.19 records, for each call, its op timer's running total (``timers(log_name).elapsed(reset=False)``
+    sums every call so far), not the call's own latency: the op's time so far is the largest value it logged.
+    """
     from deepspeed.comm.comm import comms_logger
 
-    return {
-        name.split(" | ")[0]: {int(size): (rec[0], float(sum(rec[1]))) for size, rec in sizes.items()}
-        for name, sizes in comms_logger.comms_dict.items()
-    }
+    snapshot: dict[str, tuple[dict[int, int], float]] = {}
+    for name, sizes in comms_logger.comms_dict.items():
+        op = name.split(" | ")[0]  # a debug log's "| [Caller Func: ...]" dropped
+        calls, total_ms = snapshot.get(op, ({}, 0.0))
+        for size, record in sizes.items():
+            calls[int(size)] = calls.get(int(size), 0) + record[0]
+            total_ms = max(total_ms, max(record[1]))
+        snapshot[op] = (calls, total_ms)
+    return snapshot
 
 
-def snapshot_difference(before: dict, after: dict) -> dict[str, dict[str, list[float]]]:
-    """``{op: {message bytes: [calls, seconds]}}`` between two snapshots (sizes as strings: JSON keys)."""
-    out: dict[str, dict[str, list[float]]] = {}
-    for name, sizes in after.items():
-        for size, (calls, seconds) in sizes.items():
-            calls0, seconds0 = before.get(name, {}).get(size, (0, 0.0))
-            if calls > calls0:
-                # DeepSpeed logs latencies in milliseconds.
-                out.setdefault(name, {})[str(size)] = [calls - calls0, (seconds - seconds0) / 1e3]
+def snapshot_difference(before: dict, after: dict) -> dict[str, dict[str, Any]]:
+    """``{op: {"calls": {message bytes: calls}, "seconds": s}}`` between two snapshots (sizes as strings: JSON)."""
+    out: dict[str, dict[str, Any]] = {}
+    for op, (calls, total_ms) in after.items():
+        calls0, total_ms0 = before.get(op, ({}, 0.0))
+        new = {str(size): n - calls0.get(size, 0) for size, n in calls.items() if n > calls0.get(size, 0)}
+        if new:
+            out[op] = {"calls": new, "seconds": (total_ms - total_ms0) / 1e3}
     return out
 
 
@@ -159,15 +169,13 @@ def setup_comms_log(folder: str | Path) -> None:
 # --- reading a log back ------------------------------------------------------------------------------------------
 
 
-def read_comms_log(folder: str | Path) -> dict[int, list[dict[str, dict[int, tuple[int, float]]]]]:
-    """``{rank: [step: {op: {message bytes: (calls, seconds)}}]}`` from a folder :func:`setup_comms_log` wrote."""
+def read_comms_log(folder: str | Path) -> dict[int, list[dict[str, dict[str, Any]]]]:
+    """``{rank: [step: {op: {"calls": {message bytes: calls}, "seconds": s}}]}`` from a folder
+    :func:`setup_comms_log` wrote."""
     ranks = {}
     for path in sorted(Path(folder).glob("rank*.json")):
         data = json.loads(path.read_text())
-        ranks[int(data["rank"])] = [
-            {op: {int(size): (int(c), float(s)) for size, (c, s) in sizes.items()} for op, sizes in step.items()}
-            for step in data["steps"]
-        ]
+        ranks[int(data["rank"])] = data["steps"]
     return ranks
 
 
@@ -176,18 +184,18 @@ def steady_steps(steps: list[dict]) -> list[dict]:
     return steps[1:]
 
 
-def step_totals(step: dict[str, dict[int, tuple[int, float]]]) -> dict[str, dict[str, float]]:
+def step_totals(step: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     """One step's ``{collective: {"bytes": message bytes, "calls": n, "seconds": s}}`` (barriers left out)."""
     totals: dict[str, dict[str, float]] = {}
-    for op, sizes in step.items():
+    for op, logged in step.items():
         collective = OP_COLLECTIVE.get(op, op)
         if collective == "barrier":
             continue
         entry = totals.setdefault(collective, {"bytes": 0.0, "calls": 0.0, "seconds": 0.0})
-        for size, (calls, seconds) in sizes.items():
-            entry["bytes"] += size * calls
+        for size, calls in logged["calls"].items():
+            entry["bytes"] += int(size) * calls
             entry["calls"] += calls
-            entry["seconds"] += seconds
+        entry["seconds"] += logged["seconds"]
     return totals
 
 

@@ -150,8 +150,11 @@ def test_offload_timing_sets_the_planners_floor_beside_the_measured_cost():
 def test_communication_summary_reads_rank_0s_log_after_the_first_step(tmp_path):
     """The log's steady steps (the first one gathers stage 3's trace) beside the planner's bytes for the config."""
     run = probe.candidate_config(find_recipe("nlp"), Candidate("deepspeed_stage_2"), None, [], 2)
-    first = {"all_reduce": {"4000": [9, 0.9]}, "broadcast": {"8": [40, 0.1]}}
-    step = {"all_reduce": {"4000": [3, 0.3], "4": [1, 0.01]}, "all_gather_into_tensor": {"1000": [2, 0.2]}}
+    first = {"all_reduce": {"calls": {"4000": 9}, "seconds": 0.9}, "broadcast": {"calls": {"8": 40}, "seconds": 0.1}}
+    step = {
+        "all_reduce": {"calls": {"4000": 3, "4": 1}, "seconds": 0.31},
+        "all_gather_into_tensor": {"calls": {"1000": 2}, "seconds": 0.2},
+    }
     (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "steps": [first, step, step]}))
     (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "steps": [first, first, first]}))
     summary = communication_summary(tmp_path, run)
