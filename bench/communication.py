@@ -284,20 +284,13 @@ def byte_rows(results: dict) -> list[dict]:
         rec = ranks[0]
         rows.append({"name": rec["name"], "world": 4, **_judged(worker_plan(rec, 4, 2), rec["steps"])})
     for layout in results["layouts"]:
-        steps = [_as_worker_step(s) for s in layout["logged"]["0"]]
+        steps = [{"logged": step} for step in layout["logged"]["0"]]
         rows.append({"name": layout["name"], "world": 2, **_judged(layout_plan(layout), steps)})
     return rows
 
 
-def _as_worker_step(step: dict) -> dict:
-    return {"logged": {op: {str(size): v for size, v in sizes.items()} for op, sizes in step.items()}}
-
-
 def _judged(plan: CommPlan, steps: list[dict]) -> dict:
-    logged_steps = [
-        {op: {int(s): tuple(v) for s, v in sizes.items()} for op, sizes in st["logged"].items()} for st in steps
-    ]
-    collectives = compare(plan, logged_steps)
+    collectives = compare(plan, [step["logged"] for step in steps])
     off = worst_off(collectives)
     return {"collectives": collectives, "worst_off": off, "met": off <= BYTES_BAR}
 
@@ -305,19 +298,17 @@ def _judged(plan: CommPlan, steps: list[dict]) -> dict:
 def time_rows(results: dict) -> list[dict]:
     """Per timed row: measured and planned communication seconds per step in each repetition, and the verdict."""
     rows = []
-    names = [rec[0]["name"] for rec in results["repetitions"][0]["rows"]]
-    for index, name in enumerate(names):
+    first = results["repetitions"][0]["rows"]
+    for index, name in enumerate(rec[0]["name"] for rec in first):
+        if not first[index][0]["timed"]:
+            continue
         measured, planned = [], []
         for rep in results["repetitions"]:
             ranks = rep["rows"][index]
-            if not _timed(name):
-                break
             links = links_from_doctor({"measured": rep["doctor"]}, world_size=len(ranks))
             # The slowest rank's median over the steps after the first: a collective ends when its last rank does.
             measured.append(max(statistics.median(s["comm_s"] for s in r["steps"][1:]) for r in ranks))
             planned.append(plan_seconds(worker_plan(ranks[0], len(ranks)), links))
-        if not measured:
-            continue
         ratios = [p / m for p, m in zip(planned, measured, strict=True)]
         low, high, coverage = median_interval(ratios)
         met = low >= 1 - TIME_BAR and high <= 1 + TIME_BAR
@@ -333,10 +324,6 @@ def time_rows(results: dict) -> list[dict]:
             }
         )
     return rows
-
-
-def _timed(name: str) -> bool:
-    return any(r["name"] == name and r["timed"] for r in (*ROWS_2, *SMALL_ROWS))
 
 
 # --- the docs section -----------------------------------------------------------------------------------------
