@@ -97,7 +97,14 @@ def run_row(row: dict, steps: int, nvme: str) -> dict:
         sync_seconds = sum(op["seconds"] for op in logged.values())
         records.append({"logged": logged, "wall_s": wall, "comm_s": sync_seconds + WAITED["seconds"]})
     engine.destroy()
-    return {"name": row["name"], "timed": row.get("timed", False), "rank": rank, "ds_config": ds_config, "param_numels": numels, "steps": records}
+    return {
+        "name": row["name"],
+        "timed": row.get("timed", False),
+        "rank": rank,
+        "ds_config": ds_config,
+        "param_numels": numels,
+        "steps": records,
+    }
 
 
 def main() -> None:
