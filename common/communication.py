@@ -13,8 +13,9 @@ communication log, ``comms_logger``, by ``bench/communication.py``):
   backward pass the parameters it released in between (those whose next use lies further than
   ``stage3_max_reuse_distance`` elements ahead in the trace; with the default 1e9 a model under about 1e9
   parameters keeps them all), and reduce-scatters every gradient. Parameters of at most
-  ``stage3_param_persistence_threshold`` elements are never gathered (they stay whole on every rank) but their
-  gradients are reduce-scattered like the rest. ``stage3_max_live_parameters`` bounds the prefetch, not what is
+  ``stage3_param_persistence_threshold`` elements are not gathered for compute (they stay whole on every rank) but
+  their gradients are reduce-scattered like the rest, and after the step each rank's updated partition of them is
+  all-gathered once. ``stage3_max_live_parameters`` bounds the prefetch, not what is
   gathered: it moves no byte. hpZ (``zero_hpz_partition_size``) gathers the backward pass's parameters from a
   second copy sharded inside the node; qwZ (``zero_quantized_weights``) sends int8 weights in the forward all-gather
   and qgZ (``zero_quantized_gradients``) replaces the reduce-scatter by an int4 all-to-all;
@@ -50,6 +51,11 @@ DS_BUCKET_ELEMENTS = 500_000_000
 FP32_BYTES = 4
 INT8_BYTES = 1
 INT4_BYTES = 0.5
+
+# Transfers that run after the optimizer step, when no compute is left to hide them under.
+AFTER_STEP = "updated parameters after the step (each rank's partition)"
+EXPERTS_AFTER_STEP = "updated expert parameters after the step"
+PERSISTENT_AFTER_STEP = "persistent parameters gathered whole again after the step"
 
 # nccl-tests' bus factor: the share of the whole buffer each rank sends with ring algorithms (doctor's figures too).
 BUS_FACTOR = {
@@ -345,7 +351,7 @@ def plan_communication(facts: ModelFacts, setup: CommSetup, layout: ParallelLayo
         shard = shard_elements(dense_total, zero_ranks)
         add(
             "all_gather",
-            "updated parameters after the step (each rank's partition)",
+            AFTER_STEP,
             p * shard,
             setup.param_groups,
             zero_ranks,
@@ -395,6 +401,20 @@ def _stage3(numels: tuple[int, ...], setup: CommSetup, ranks: int, scope: str, t
                 group_scope(group, tp, setup.ranks_per_node) if hpz > 1 else scope,
             )
         )
+    persistent = [n for n in numels if n <= setup.persistence_threshold]
+    if persistent and ranks > 1:
+        # Each rank updated its partition of the persistent parameters: DeepSpeed gathers them whole again after the
+        # step (stage3._post_step), one call per parameter.
+        transfers.append(
+            Transfer(
+                "all_gather",
+                PERSISTENT_AFTER_STEP,
+                p * sum(shard_elements(n, ranks) for n in persistent),
+                len(persistent),
+                ranks,
+                scope,
+            )
+        )
     if ranks > 1:
         padded = sum(shard_elements(n, ranks) * ranks for n in numels)
         calls = a * max(1, math.ceil(sum(numels) / setup.reduce_bucket_size))
@@ -438,7 +458,7 @@ def _experts(expert_numel: int, setup: CommSetup, layout: ParallelLayout, grad_b
         transfers.append(
             Transfer(
                 "all_gather",
-                "updated expert parameters after the step",
+                EXPERTS_AFTER_STEP,
                 WORKING_BYTES[setup.precision] * shard_elements(expert_numel, group),
                 1,
                 group,
@@ -698,7 +718,7 @@ class StepShare:
 
 # Transfers that cannot hide under compute: the all-gather after the step (nothing left to compute) and the first
 # micro-batch's first gathers; the rest runs beside the backward/forward passes when overlap_comm is on.
-_NOT_OVERLAPPABLE = ("updated parameters after the step", "updated expert parameters after the step")
+_NOT_OVERLAPPABLE = (AFTER_STEP, EXPERTS_AFTER_STEP, PERSISTENT_AFTER_STEP)
 
 
 def step_share(
