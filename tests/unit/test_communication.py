@@ -35,10 +35,17 @@ def plan(stage: int, layout: ParallelLayout = TWO, facts: ModelFacts = FACTS, **
     return plan_communication(facts, CommSetup(stage=stage, **setup), layout)
 
 
+def norm_check(p) -> float:
+    """The gradient norm's (and overflow check's) all-reduced scalars: a few bytes, a call or two per step."""
+    return sum(t.message_bytes for t in p.transfers if t.purpose == "gradient norm and overflow check")
+
+
 def test_stage_0_and_1_all_reduce_every_gradient_once_per_step():
     for stage in (0, 1):
         p = plan(stage, precision="bf16", grad_accum=4)
-        assert p.message_bytes("all_reduce") == 2 * K  # once per step, not per micro-batch
+        assert p.message_bytes("all_reduce") - norm_check(p) == 2 * K  # once per step, not per micro-batch
+    # Stage 1 sums a 4-byte norm and a 1-byte overflow flag besides; stage 0 checks neither.
+    assert (norm_check(plan(1, precision="bf16")), norm_check(plan(0))) == (5, 0)
     # Stage 1 then gathers each rank's partition of the updated parameters: ceil(2521 / 2) = 1261 elements.
     assert plan(1, precision="bf16").message_bytes("all_gather") == 2 * 1261
     assert plan(0).message_bytes("all_gather") == 0
@@ -46,7 +53,7 @@ def test_stage_0_and_1_all_reduce_every_gradient_once_per_step():
 
 def test_stage_2_reduces_every_micro_batch():
     p = plan(2, precision="fp32", grad_accum=3, param_groups=2)
-    assert p.message_bytes("all_reduce") == 3 * 4 * K
+    assert p.message_bytes("all_reduce") == 3 * 4 * K + 4  # and the fp32 norm (no overflow check in fp32)
     (gather,) = [t for t in p.transfers if t.collective == "all_gather"]
     assert (gather.message_bytes, gather.calls) == (4 * 1261, 2)  # one call per parameter group
 
@@ -57,7 +64,7 @@ def test_stage_3_gathers_sharded_parameters_every_micro_batch_and_reduce_scatter
     assert p.message_bytes("all_gather") == 2 * 2 * 1261
     # Reduce-scatter logs the whole (padded) buffer: 1000 + 10 + 1000 + 10 + 502 = 2522 elements per micro-batch.
     assert p.message_bytes("reduce_scatter") == 2 * 2 * 2522
-    assert p.message_bytes("all_reduce") == 0
+    assert p.message_bytes("all_reduce") == norm_check(p) == 8  # stage 3's norm, in fp64
 
 
 def test_stage_3_persistent_parameters_are_not_gathered_but_their_gradients_are_reduced():
@@ -117,8 +124,8 @@ def test_one_rank_sends_nothing():
 
 def test_seconds_add_latency_and_bytes_over_the_link():
     link = Link("test", 1e9, 1e-3)
-    p = plan(2, precision="fp32")  # all-reduce 4K bytes in one call, all-gather 4 x 1261 in one call
-    expected = (1e-3 + 4 * K * 2 * 1 / 2 / 1e9) + (1e-3 + 4 * 1261 * 1 / 1e9)
+    p = plan(2, precision="fp32")  # all-reduce 4K bytes in one call, all-gather 4 x 1261 in one call, the norm
+    expected = (1e-3 + 4 * K * 2 * 1 / 2 / 1e9) + (1e-3 + 4 * 1261 * 1 / 1e9) + (1e-3 + 4 * 2 * 1 / 2 / 1e9)
     assert plan_seconds(p, link) == pytest.approx(expected)
 
 
