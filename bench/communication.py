@@ -351,6 +351,16 @@ def render_body(results: dict) -> str:
         lines.append(
             f"| {r['name']} | {r['world']} | {cells} | {r['worst_off']:.1%} | {'met' if r['met'] else 'not met'} |"
         )
+    for r in byte_rows(results):
+        moe = r["collectives"].get("all_to_all") if r["name"].startswith("EP") else None
+        if moe and moe["logged"]:
+            lines += [
+                "",
+                f"{r['name']}: the experts' all-to-all moved {moe['logged'] / moe['planned']:.2f}x the planned bytes. "
+                "Its size follows the routing: DeepSpeed MoE without token dropping (the recipe's `drop_tokens=False`) "
+                "pads every expert's slot to the busiest expert's load, and the planner assumes even routing "
+                "(`moe_capacity_factor` 1.0, a lower bound; the ratio above is this run's effective factor).",
+            ]
     timed = time_rows(results)
     if timed:
         reps = len(results["repetitions"])
