@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 ENV_VAR = "ZR_COMMS_LOG"
+STEPS_VAR = "ZR_COMMS_LOG_STEPS"
 SITE_FOLDER = Path(__file__).resolve().parent / "comms_log_site"
 
 # DeepSpeed's op names in the log, by collective (reduce_scatter_fn logs as reduce_scatter_tensor, allgather_fn as
@@ -57,10 +58,15 @@ OP_COLLECTIVE = {
 }
 
 
-def comms_log_env(folder: Path) -> dict[str, str]:
-    """The two variables that log a run's communication into ``folder`` (merge them into its environment)."""
+def comms_log_env(folder: Path, steps: int | None = None) -> dict[str, str]:
+    """The variables that log a run's communication into ``folder`` (merge them into its environment): for its first
+    ``steps`` optimizer steps only when given, after which DeepSpeed's logger is off again (it synchronises the
+    device after every collective, which would slow a GPU's later steps)."""
     path = os.pathsep.join(filter(None, [str(SITE_FOLDER), os.environ.get("PYTHONPATH", "")]))
-    return {ENV_VAR: str(folder), "PYTHONPATH": path}
+    env = {ENV_VAR: str(folder), "PYTHONPATH": path}
+    if steps is not None:
+        env[STEPS_VAR] = str(steps)
+    return env
 
 
 def take_snapshot() -> dict[str, tuple[dict[int, int], float]]:
@@ -94,16 +100,22 @@ def snapshot_difference(before: dict, after: dict) -> dict[str, dict[str, Any]]:
 
 
 class _Recorder:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, steps: int | None) -> None:
         self.folder = folder
+        self.steps = steps
         self.snapshots: list[dict] = []
         self.rank = 0
 
     def after_step(self) -> None:
         import torch.distributed as dist
+        from deepspeed.comm.comm import comms_logger
 
+        if self.steps is not None and len(self.snapshots) >= self.steps:
+            return
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.snapshots.append(take_snapshot())
+        if self.steps is not None and len(self.snapshots) >= self.steps:
+            comms_logger.enabled = False  # the steps after these run as they would without the log
 
     def write(self) -> None:
         rank = self.rank
@@ -151,13 +163,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def setup_comms_log(folder: str | Path) -> None:
-    """Log this process's DeepSpeed collectives per optimizer step into ``folder`` (module docstring).
+def setup_comms_log(folder: str | Path, steps: int | None = None) -> None:
+    """Log this process's DeepSpeed collectives per optimizer step into ``folder`` (module docstring), for the first
+    ``steps`` optimizer steps (all when None).
 
     A process-wide change: DeepSpeed's logger is switched on and ``DeepSpeedEngine._take_model_step`` wrapped, once
     ``deepspeed.runtime.engine`` is imported (at once if it already is).
     """
-    recorder = _Recorder(Path(folder))
+    recorder = _Recorder(Path(folder), steps)
     engine_module = "deepspeed.runtime.engine"
     if engine_module in sys.modules:
         _patch_engine(sys.modules[engine_module], recorder)

@@ -199,10 +199,17 @@ def candidate_command(
     return [*launch, str(script), *keys]
 
 
+# Optimizer steps whose communication a candidate logs: the first (it records stage 3's trace, not counted) and two
+# more. Then DeepSpeed's logger is off: it synchronises the device after every collective, and the recipes' median
+# step (their throughput) skips the first 5 steps of a run longer than 10.
+COMMS_LOG_STEPS = 3
+
+
 def with_comms_log(command: list[str], folder: Path) -> list[str]:
-    """``command`` under ``env``, with DeepSpeed's communication log of each rank going to ``folder``
-    (common.tools.comms_log): visible in the report's command, nothing else of the run changes."""
-    return ["env", *(f"{name}={value}" for name, value in comms_log_env(folder).items()), *command]
+    """``command`` under ``env``, with DeepSpeed's communication log of each rank's first steps going to ``folder``
+    (common.tools.comms_log): visible in the report's command."""
+    variables = comms_log_env(folder, COMMS_LOG_STEPS)
+    return ["env", *(f"{name}={value}" for name, value in variables.items()), *command]
 
 
 def accelerate_launch_file(run: RecipeDescription, devices: int, folder: Path) -> Path:

@@ -240,7 +240,9 @@ def format_communication(rows: list[ProbeRow]) -> list[str]:
         return []
     lines = [
         "",
-        "Communication per optimizer step, rank 0 (DeepSpeed's `comms_logger`, median of the steps after the first; "
+        "Communication per optimizer step, rank 0 (DeepSpeed's `comms_logger` over each candidate's first steps, the "
+        "first left out: it records stage 3's trace; the logger is off for the rest of the run, since it synchronises "
+        "the device after every collective; median of the logged steps; "
         "message bytes as DeepSpeed counts them: a whole buffer for an all-reduce or reduce-scatter, the rank's shard "
         "for an all-gather), beside the planner's bytes for the same config. DeepSpeed times stage 3's asynchronous "
         "all-gathers at their launch only, so their seconds are a floor:",

@@ -6,4 +6,5 @@ import os
 if os.environ.get("ZR_COMMS_LOG"):
     from common.tools.comms_log import setup_comms_log
 
-    setup_comms_log(os.environ["ZR_COMMS_LOG"])
+    steps = os.environ.get("ZR_COMMS_LOG_STEPS")
+    setup_comms_log(os.environ["ZR_COMMS_LOG"], int(steps) if steps else None)
