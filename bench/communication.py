@@ -95,6 +95,13 @@ ROWS_2 = [
     row("stage 3, GA 4, threshold 10 x hidden", "deepspeed_stage_3", 4),
     row("stage 3, GA 1, threshold 0", "deepspeed_stage_3", **T0),
     row("stage 3, GA 1, threshold 0, reuse distance 0", "deepspeed_stage_3", **REUSE0),
+    # Prefetch on but bounded under the model's size (2e6 of 5.3M elements): the reuse distance decides again.
+    row(
+        "stage 3, GA 1, threshold 0, reuse distance 0, prefetch on, max live 2e6",
+        "deepspeed_stage_3",
+        **T0,
+        **{"zero_optimization.stage3_max_reuse_distance": 0, "zero_optimization.stage3_max_live_parameters": 2_000_000},
+    ),
     row("stage 3, GA 1, NLP preset (threshold 1e6)", "nlp"),
     row("stage 2, optimizer offload", "deepspeed_stage_2_offload"),
     row("stage 3, optimizer and parameter offload", "deepspeed_stage_3_offload"),

@@ -48,6 +48,7 @@ SCOPES = ("intra_node", "inter_node")
 DS_MAX_REUSE_DISTANCE = 1_000_000_000
 DS_BUCKET_ELEMENTS = 500_000_000
 DS_PREFETCH_ELEMENTS = 50_000_000
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 FP32_BYTES = 4
 INT8_BYTES = 1
@@ -143,8 +144,9 @@ class CommSetup:
         quantized_weights: qwZ, int8 weights in the forward all-gather (DeepSpeed's CUDA quantizer).
         quantized_gradients: qgZ, an int4 all-to-all instead of the gradient reduce-scatter (CUDA).
         reduce_bucket_size: elements per gradient reduction (``reduce_bucket_size``): sets the calls, not the bytes.
-        prefetch_bucket_size: ``stage3_prefetch_bucket_size`` (bounded by ``stage3_max_live_parameters``): stage 3
-            gathers this many elements per call ahead of use (0: one call per module); sets the calls, not the bytes.
+        prefetch_bucket_size: ``stage3_prefetch_bucket_size``: stage 3 gathers this many elements per call ahead of
+            use (0: one call per module, no look-ahead).
+        max_live_parameters: ``stage3_max_live_parameters``: gathered elements the prefetch may hold at once.
         tokens_per_micro_batch: micro batch x sequence length per replica: the activations that TP, SP and EP send.
         ranks_per_node: ranks on one node (None: all on one node): which groups cross the network.
         param_groups: optimizer parameter groups (stages 1-2 all-gather each group's partition in one call).
@@ -164,6 +166,7 @@ class CommSetup:
     quantized_gradients: bool = False
     reduce_bucket_size: float = DS_BUCKET_ELEMENTS
     prefetch_bucket_size: float = DS_PREFETCH_ELEMENTS
+    max_live_parameters: float = DS_MAX_LIVE_PARAMETERS
     tokens_per_micro_batch: int = 0
     ranks_per_node: int | None = None
     param_groups: int = 1
@@ -210,10 +213,8 @@ def setup_from_ds_config(
         quantized_weights=bool(zero.get("zero_quantized_weights", False)),
         quantized_gradients=bool(zero.get("zero_quantized_gradients", False)),
         reduce_bucket_size=float(zero.get("reduce_bucket_size", DS_BUCKET_ELEMENTS)),
-        prefetch_bucket_size=min(
-            float(zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_ELEMENTS)),
-            float(zero.get("stage3_max_live_parameters", 1e9)),
-        ),
+        prefetch_bucket_size=float(zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_ELEMENTS)),
+        max_live_parameters=float(zero.get("stage3_max_live_parameters", DS_MAX_LIVE_PARAMETERS)),
         tokens_per_micro_batch=tokens_per_micro_batch,
         ranks_per_node=ranks_per_node,
         param_groups=param_groups,
@@ -254,9 +255,7 @@ def released_before_backward(
     it (forward) and then those after it again (backward, in reverse): its next use lies 2 x (elements after it)
     ahead. Persistent parameters are never released. One parameter stands for one module here (a Llama layer's
     modules each hold one matrix); a module's order inside a layer can differ from its parameters' order by a few
-    matrices. Not modelled: prefetch marks the backward uses its look-ahead scans past as fetched, which keeps more
-    gathered (measured: the 5.3M-parameter tiny Llama at reuse distance 0 with prefetch on gathered nothing twice;
-    with prefetch off it gathered every sharded parameter again, as this rule says).
+    matrices. A prefetch that can hold the whole model keeps everything gathered (:func:`prefetch_holds_everything`).
     """
     after = 0
     released = [False] * len(numels)
@@ -265,6 +264,19 @@ def released_before_backward(
         released[i] = sharded and 2 * after >= max_reuse_distance
         after += numels[i]
     return released
+
+
+def prefetch_holds_everything(sharded_elements: float, setup: CommSetup) -> bool:
+    """Whether stage 3's prefetch keeps every sharded parameter gathered from its forward to its backward use.
+
+    The prefetch walks the parameter trace ahead of compute, a bucket per module, and marks each use it passes as
+    fetched; a parameter whose later use is marked is not released. When ``stage3_max_live_parameters`` lets it hold
+    every sharded parameter at once, it soon has the whole forward pass in flight and sweeps the backward uses too:
+    nothing is released, whatever the reuse distance (measured: the 5.3M-parameter tiny Llama at reuse distance 0
+    gathered each parameter once a micro-batch with prefetch on, twice with prefetch off). Otherwise the reuse
+    distance decides (:func:`released_before_backward`).
+    """
+    return setup.prefetch_bucket_size > 0 and sharded_elements <= setup.max_live_parameters
 
 
 # --- the account ---------------------------------------------------------------------------------------------
@@ -390,12 +402,14 @@ def _stage3(numels: tuple[int, ...], setup: CommSetup, ranks: int, scope: str, t
     gathered = [n for n in numels if n > setup.persistence_threshold]
     released = released_before_backward(numels, setup.persistence_threshold, setup.max_reuse_distance)
     regathered = [n for n, again in zip(numels, released) if again]
+    if prefetch_holds_everything(sum(gathered), setup):
+        regathered = []
     weight_bytes = INT8_BYTES if setup.quantized_weights else p
     transfers = []
     if gathered and ranks > 1:
         forward = sum(shard_elements(n, ranks) for n in gathered)
         # With prefetch DeepSpeed coalesces the parameters of the next prefetch_bucket_size elements into one call.
-        prefetch = setup.prefetch_bucket_size
+        prefetch = min(setup.prefetch_bucket_size, setup.max_live_parameters)
         forward_calls = math.ceil(sum(gathered) / prefetch) if prefetch > 0 else len(gathered)
         transfers.append(
             Transfer(

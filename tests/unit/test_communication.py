@@ -82,14 +82,26 @@ def test_stage_3_reuse_distance_decides_the_backward_gather():
     assert released_before_backward(NUMELS, 10, 3043) == [False] * 5
     # Distance 0 releases every sharded parameter (the norms persist either way).
     assert released_before_backward(NUMELS, 10, 0) == [True, False, True, False, True]
-    default = plan(3, persistence_threshold=10)
-    short = plan(3, persistence_threshold=10, max_reuse_distance=0)
+    default = plan(3, persistence_threshold=10, prefetch_bucket_size=0)
+    short = plan(3, persistence_threshold=10, max_reuse_distance=0, prefetch_bucket_size=0)
     assert short.message_bytes("all_gather") - default.message_bytes("all_gather") == 2 * (500 + 500 + 251)
+
+
+def test_a_prefetch_that_holds_the_whole_model_keeps_it_gathered_whatever_the_reuse_distance():
+    """Measured on the tiny Llama: with prefetch on and stage3_max_live_parameters above the model, each parameter
+    is gathered once a micro-batch even at reuse distance 0; bounded under the model, the reuse distance decides."""
+    on = plan(3, max_reuse_distance=0)  # DeepSpeed's prefetch (5e7) and live bound (1e9) hold 2521 elements
+    bounded = plan(3, max_reuse_distance=0, max_live_parameters=2000)
+    off = plan(3, max_reuse_distance=0, prefetch_bucket_size=0)
+    assert on.message_bytes("all_gather") == 2 * 1261
+    assert bounded.message_bytes("all_gather") == off.message_bytes("all_gather") == 2 * 2 * 1261
+    # Prefetch coalesces the gathers: one call per bucket, not one per parameter.
+    assert on.calls("all_gather") == 1 and off.calls("all_gather") == 2 * 5
 
 
 def test_hpz_gathers_the_backward_pass_inside_the_node():
     four = ParallelLayout(world_size=4)
-    common = dict(persistence_threshold=10, max_reuse_distance=0, ranks_per_node=2)
+    common = dict(persistence_threshold=10, max_reuse_distance=0, ranks_per_node=2, prefetch_bucket_size=0)
     plain = plan(3, four, **common)
     hpz = plan(3, four, hpz_partition_size=2, **common)
     forward = 2 * (250 + 250 + 126)  # shards over 4 ranks
