@@ -410,7 +410,7 @@ def _stage3(numels: tuple[int, ...], setup: CommSetup, ranks: int, scope: str, t
         forward = sum(shard_elements(n, ranks) for n in gathered)
         # With prefetch DeepSpeed coalesces the parameters of the next prefetch_bucket_size elements into one call.
         prefetch = min(setup.prefetch_bucket_size, setup.max_live_parameters)
-        forward_calls = math.ceil(sum(gathered) / prefetch) if prefetch > 0 else len(gathered)
+        forward_calls = min(len(gathered), math.ceil(sum(gathered) / prefetch)) if prefetch > 0 else len(gathered)
         transfers.append(
             Transfer(
                 "all_gather",
