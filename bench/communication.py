@@ -1,7 +1,7 @@
 """Planned against logged communication: bytes per rank per optimizer step for every row, seconds for every stage.
 
-    python bench/communication.py           # every row, 5 timed repetitions (about 25 min here)
-    python bench/communication.py --small   # CI: three rows in one 2-process group, one repetition (about 2 min)
+    python bench/communication.py           # every row, 5 timed repetitions (about 10 min here)
+    python bench/communication.py --small   # CI: three rows in one 2-process group, one repetition (about 30 s)
     python bench/communication.py --render  # rewrite docs/benchmarks.md's section from bench/results/communication.json
 
 The planner (common.communication.plan_communication) against DeepSpeed's own communication log (``comms_logger``,
@@ -367,6 +367,16 @@ def render_body(results: dict) -> str:
                 "Its size follows the routing: DeepSpeed MoE without token dropping (the recipe's `drop_tokens=False`) "
                 "pads every expert's slot to the busiest expert's load, and the planner assumes even routing "
                 "(`moe_capacity_factor` 1.0, a lower bound; the ratio above is this run's effective factor).",
+            ]
+        bounded = r["collectives"].get("all_gather") if "max live" in r["name"] else None
+        if bounded and bounded["planned"]:
+            lines += [
+                "",
+                f"{r['name']}: logged {bounded['logged'] / bounded['planned']:.0%} of the planned all-gather bytes. The "
+                "planner has two cases: a prefetch that may hold the whole model keeps it all gathered (measured in the "
+                "rows above), otherwise the reuse distance alone decides. Bounded under the model's size, the "
+                "prefetch's look-ahead still kept part of it gathered for the backward pass: the plan is an upper "
+                "bound there.",
             ]
     timed = time_rows(results)
     if timed:
