@@ -372,9 +372,9 @@ def render_body(results: dict) -> str:
         if bounded and bounded["planned"]:
             lines += [
                 "",
-                f"{r['name']}: logged {bounded['logged'] / bounded['planned']:.0%} of the planned all-gather bytes. The "
-                "planner has two cases: a prefetch that may hold the whole model keeps it all gathered (measured in the "
-                "rows above), otherwise the reuse distance alone decides. Bounded under the model's size, the "
+                f"{r['name']}: logged {bounded['logged'] / bounded['planned']:.0%} of the planned all-gather bytes. "
+                "The planner has two cases: a prefetch that may hold the whole model keeps it all gathered (measured "
+                "in the rows above), otherwise the reuse distance alone decides. Bounded under the model's size, the "
                 "prefetch's look-ahead still kept part of it gathered for the backward pass: the plan is an upper "
                 "bound there.",
             ]
