@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,9 +51,11 @@ from common.memory_formulas import (
 )
 from common.presets import PRESET_NAMES, get_preset
 from common.strategy import write_accelerate_files
+from common.tools.comms_log import comms_log_env
 from common.tools.probe_report import (
     ProbeResult,
     ProbeRow,
+    communication_summary,
     fastest,
     fmt_peak,
     fmt_rate,
@@ -194,6 +197,19 @@ def candidate_command(
     ]
     launch += ["--config_file", str(launch_config)] if launch_config else ["--use_deepspeed"]
     return [*launch, str(script), *keys]
+
+
+# Optimizer steps whose communication a candidate logs: the first (it records stage 3's trace, not counted) and two
+# more. Then DeepSpeed's logger is off: it synchronises the device after every collective, and the recipes' median
+# step (their throughput) skips the first 5 steps of a run longer than 10.
+COMMS_LOG_STEPS = 3
+
+
+def with_comms_log(command: list[str], folder: Path) -> list[str]:
+    """``command`` under ``env``, with DeepSpeed's communication log of each rank's first steps going to ``folder``
+    (common.tools.comms_log): visible in the report's command."""
+    variables = comms_log_env(folder, COMMS_LOG_STEPS)
+    return ["env", *(f"{name}={value}" for name, value in variables.items()), *command]
 
 
 def accelerate_launch_file(run: RecipeDescription, devices: int, folder: Path) -> Path:
@@ -481,9 +497,14 @@ def run_probe(
                 log.write_text(f"error: {exc}\n")
                 code, text = 2, log.read_text()
             else:
+                comms = (out / "comms" / candidate.name).resolve()
+                shutil.rmtree(comms, ignore_errors=True)  # a rerun's log, not the last one's
                 command = candidate_command(recipe, backend, steps, devices, run_dir, cand_file, launch_file, sp)
+                command = with_comms_log(command, comms)
                 code, text = runner(command, log, timeout_s)
             row = measure(candidate, run_dir, code, text, command, log)
+            if command and row.ok:
+                row.communication = communication_summary(comms, run)
             result.rows.append(row)
             bar.write(
                 f"  {row.candidate}: {row.status if not row.ok else fmt_rate(row) + ', ' + fmt_peak(row)}",

@@ -10,8 +10,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.communication import plan_communication, setup_from_ds_config
 from common.config import dump_yaml
-from common.memory_formulas import link_seconds_range, offload_traffic
+from common.describe import RecipeDescription
+from common.memory_formulas import ParallelLayout, link_seconds_range, offload_traffic
+from common.tools.comms_log import median_step, read_comms_log, steady_steps
 from common.tools.recipes import describe
 
 # Keys the probe sets on every candidate; the recommended config takes them from the base config instead.
@@ -40,6 +43,9 @@ class ProbeRow:
     out_dir: str = ""
     log: str = ""
     command: list[str] = field(default_factory=list)
+    # Per collective, per optimizer step: DeepSpeed's logged bytes, calls and seconds beside the planner's bytes
+    # (communication_summary); None when the candidate logged no step.
+    communication: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -189,6 +195,70 @@ def format_offload_timing(timing: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def communication_summary(log_folder: Path, run: RecipeDescription) -> dict[str, Any] | None:
+    """A candidate's communication per optimizer step: rank 0's DeepSpeed log (common.tools.comms_log; the median
+    over the steps after the first) beside the planner's bytes for the same config (common.communication).
+
+    Returns ``{"steps": n, "collectives": {name: {"logged_bytes", "calls", "logged_s", "planned_bytes"}}}``, or None
+    when the run logged no step (it failed before its first optimizer step).
+    """
+    ranks = read_comms_log(log_folder) if log_folder.is_dir() else {}
+    steps = steady_steps(ranks.get(0, []))
+    if not steps:
+        return None
+    logged = median_step(steps)
+    cfg = run.config
+    layout = ParallelLayout(
+        world_size=run.world_size,
+        tensor=int(cfg.get("tensor_parallel") or 1),
+        expert=int(cfg.get("expert_parallel") or 1),
+        sequence=int(cfg.get("sequence_parallel") or 1),
+    )
+    tokens = run.micro_batch_size * (run.seq_len or 0)
+    setup = setup_from_ds_config(run.ds_config, tokens, run.devices_per_node, param_groups=2)
+    try:
+        planned = plan_communication(run.model, setup, layout).by_collective()
+    except ValueError:  # a layout the planner does not model: the logged figures stand alone
+        planned = {}
+    names = [n for n in (*planned, *logged) if n not in ("broadcast",)]
+    collectives = {}
+    for name in dict.fromkeys(names):
+        seen = logged.get(name, {})
+        collectives[name] = {
+            "logged_bytes": seen.get("bytes", 0.0),
+            "calls": seen.get("calls", 0.0),
+            "logged_s": seen.get("seconds", 0.0),
+            "planned_bytes": planned.get(name, 0.0),
+        }
+    return {"steps": len(steps), "collectives": collectives}
+
+
+def format_communication(rows: list[ProbeRow]) -> list[str]:
+    """The report's communication table: one line per candidate and collective; nothing when none was logged."""
+    logged = [r for r in rows if r.communication]
+    if not logged:
+        return []
+    lines = [
+        "",
+        "Communication per optimizer step, rank 0 (DeepSpeed's `comms_logger` over each candidate's first steps, the "
+        "first left out: it records stage 3's trace; the logger is off for the rest of the run, since it synchronises "
+        "the device after every collective; median of the logged steps; "
+        "message bytes as DeepSpeed counts them: a whole buffer for an all-reduce or reduce-scatter, the rank's shard "
+        "for an all-gather), beside the planner's bytes for the same config. DeepSpeed times stage 3's asynchronous "
+        "all-gathers at their launch only, so their seconds are a floor:",
+        "",
+        "| candidate | collective | calls | logged MB | planned MB | logged s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in logged:
+        for name, c in r.communication["collectives"].items():
+            lines.append(
+                f"| {r.candidate} | {name} | {c['calls']:.0f} | {c['logged_bytes'] / 1e6:.3f} | "
+                f"{c['planned_bytes'] / 1e6:.3f} | {c['logged_s']:.4f} |"
+            )
+    return lines
+
+
 # --- reports ------------------------------------------------------------------------------------------
 
 
@@ -241,6 +311,7 @@ def format_report_md(result: ProbeResult) -> str:
             f"{states} | {fmt_rate(r)} | {relative} | {step} |"
         )
     lines += format_offload_timing(result.offload_timing)
+    lines += format_communication(result.rows)
     kind = next((r.memory_kind for r in result.rows if r.memory_kind), None)
     lines += [
         "",

@@ -20,7 +20,7 @@ from _util import REPO, subprocess_env
 
 from common.tools import probe
 from common.tools.probe import Candidate, ProbeRow
-from common.tools.probe_report import format_offload_timing, write_config_yaml
+from common.tools.probe_report import communication_summary, format_offload_timing, write_config_yaml
 from common.tools.recipes import describe, find_recipe
 
 EXE = shutil.which("zero-recipes")
@@ -145,6 +145,29 @@ def test_offload_timing_sets_the_planners_floor_beside_the_measured_cost():
     assert nvme["link"] == "nvme" and nvme["planner_s"] == pytest.approx((2 * 38 * k / 2e9, 2 * 38 * k / 1e9))
     text = "\n".join(format_offload_timing(timing))
     assert "| deepspeed_stage_3_offload_nvme | deepspeed_stage_3_offload | +2.500 | 0.019-0.038 | nvme (1-2) |" in text
+
+
+def test_communication_summary_reads_rank_0s_log_after_the_first_step(tmp_path):
+    """The log's steady steps (the first one gathers stage 3's trace) beside the planner's bytes for the config."""
+    run = probe.candidate_config(find_recipe("nlp"), Candidate("deepspeed_stage_2"), None, [], 2)
+    first = {"all_reduce": {"calls": {"4000": 9}, "seconds": 0.9}, "broadcast": {"calls": {"8": 40}, "seconds": 0.1}}
+    step = {
+        "all_reduce": {"calls": {"4000": 3, "4": 1}, "seconds": 0.31},
+        "all_gather_into_tensor": {"calls": {"1000": 2}, "seconds": 0.2},
+    }
+    (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "steps": [first, step, step]}))
+    (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "steps": [first, first, first]}))
+    summary = communication_summary(tmp_path, run)
+    assert summary["steps"] == 2
+    reduce, gather = summary["collectives"]["all_reduce"], summary["collectives"]["all_gather"]
+    assert (reduce["logged_bytes"], reduce["calls"], reduce["logged_s"]) == (12004, 4, pytest.approx(0.31))
+    assert (gather["logged_bytes"], gather["calls"]) == (2000, 2)
+    # Stage 2 all-reduces every gradient once a micro-batch (bf16: 2 bytes each) beside the 4-byte norm and the
+    # 1-byte overflow flag, and all-gathers a partition of each of the recipe's two parameter groups.
+    k = run.model.num_params
+    assert reduce["planned_bytes"] == 2 * k + 5 and gather["planned_bytes"] == pytest.approx(2 * k / 2, rel=1e-3)
+    assert "broadcast" not in summary["collectives"]
+    assert communication_summary(tmp_path / "none", run) is None
 
 
 def test_last_error_line_finds_the_exception():
@@ -324,6 +347,20 @@ def test_probe_four_candidates_on_two_cpu_processes(tmp_path):
     assert timing["measured_s"] == pytest.approx(steps["deepspeed_stage_3_offload"] - steps["deepspeed_stage_3"])
     assert 0 < timing["planner_s"][0] < timing["planner_s"][1] and timing["link"] in ("pcie", "dram")
     assert "What each offload tier added to a step" in (tmp_path / "report.md").read_text()
+    # Each candidate's communication per step, from DeepSpeed's own log, beside the planner's bytes.
+    comm = {r["candidate"]: r["communication"] for r in report["rows"]}
+    assert all(c and c["steps"] == probe.COMMS_LOG_STEPS - 1 for c in comm.values()), comm
+    expected = {
+        "ddp": {"all_reduce"},
+        "deepspeed_stage_2": {"all_reduce", "all_gather"},  # DeepSpeed's bucketed "reduce-scatter" all-reduces
+        "deepspeed_stage_3": {"all_gather", "reduce_scatter"},
+        "deepspeed_stage_3_offload": {"all_gather", "reduce_scatter"},
+    }
+    for name, collectives in expected.items():
+        for collective in collectives:
+            c = comm[name]["collectives"][collective]
+            assert c["logged_bytes"] == pytest.approx(c["planned_bytes"], rel=0.05), (name, collective, c)
+    assert "Communication per optimizer step" in (tmp_path / "report.md").read_text()
     rec = report["recommendation"]
     assert rec["candidate"] in names[:3] and rec["reason"]
     # The chosen preset as a config the recipe accepts.

@@ -1,0 +1,137 @@
+"""One process group of bench/communication.py: DeepSpeed's communication log per optimizer step, row after row.
+
+    python -m torch.distributed.run --nproc_per_node 2 bench/_comm_worker.py --rows ROWS.json --out OUT.json
+
+Each row (a preset, gradient accumulation, precision, DeepSpeed overrides) builds the NLP recipe's tiny Llama the way
+the recipe does (inside ``deepspeed.zero.Init`` at stage 3, the factory's DeepSpeed config, AdamW or DeepSpeed's
+CPU Adam under offload), trains ``--steps`` optimizer steps on fixed random tokens with DeepSpeed's ``comms_logger``
+on, and records per step: the logged calls (per op and message size, common.tools.comms_log), the step's wall time,
+and the seconds the training thread spent in collectives: a synchronous call's logged latency plus the time it waited
+for stage 3's asynchronous all-gathers (``AllGather*Handle.wait``, timed here: the logger times only their launch).
+Rows run one after the other in one group; rank 0 writes every rank's records to OUT.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common.host_memory import keep_freed_memory
+from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
+from common.tools.comms_log import snapshot_difference, take_snapshot
+from nlp.model import build_llama_config, build_model_from_config
+
+VOCAB, HIDDEN = 4096, 256
+WAITED = {"seconds": 0.0}  # time the training thread spent in AllGather*Handle.wait, this step
+
+
+def time_async_waits() -> None:
+    """Wrap stage 3's all-gather handles' ``wait`` so that the time the training thread blocks on them is counted."""
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    for handle in (pp.AllGatherHandle, pp.AllGatherCoalescedHandle):
+        wait = handle.wait
+
+        def timed(self, *args, _wait=wait, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _wait(self, *args, **kwargs)
+            finally:
+                WAITED["seconds"] += time.perf_counter() - start
+
+        handle.wait = timed
+
+
+def build(row: dict, world: int, nvme: str) -> tuple:
+    import deepspeed
+
+    facts = RunFacts(
+        world_size=world,
+        micro_batch_size=row["micro_batch_size"],
+        grad_accum=row.get("grad_accum", 1),
+        precision=row.get("precision", "bf16"),
+        hidden_size=HIDDEN,
+        nvme_path=nvme,
+        check_storage=False,
+    )
+    ds_config = resolve_deepspeed_config(row["preset"], facts, row.get("overrides") or {})
+    torch.manual_seed(0)
+    config = build_llama_config("tiny", vocab_size=VOCAB, seq_len=row["seq_len"])
+    if ds_config["zero_optimization"]["stage"] == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = build_model_from_config(config, attn_implementation="sdpa")
+    else:
+        model = build_model_from_config(config, attn_implementation="sdpa")
+    numels = [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]
+    optimizer = make_optimizer(model.parameters(), ds_config, lr=1e-3)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine, ds_config, numels
+
+
+def run_row(row: dict, steps: int, nvme: str) -> dict:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    engine, ds_config, numels = build(row, world, nvme)
+    ga, mb, seq = row.get("grad_accum", 1), row["micro_batch_size"], row["seq_len"]
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, VOCAB, (mb, seq), generator=g) for _ in range(ga)]  # one fixed step, every step
+    records = []
+    before = take_snapshot()  # DeepSpeed's op timers keep running totals: a row's steps are differences
+    for _ in range(steps):
+        WAITED["seconds"] = 0.0
+        torch.distributed.barrier()  # every rank starts the step together: waits are the step's, not the last one's
+        start = time.perf_counter()
+        for ids in batches:
+            logits = engine(input_ids=ids).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            engine.backward(loss)
+            engine.step()
+        wall = time.perf_counter() - start
+        after = take_snapshot()
+        logged = snapshot_difference(before, after)
+        before = after
+        sync_seconds = sum(op["seconds"] for op in logged.values())
+        records.append({"logged": logged, "wall_s": wall, "comm_s": sync_seconds + WAITED["seconds"]})
+    engine.destroy()
+    return {
+        "name": row["name"],
+        "timed": row.get("timed", False),
+        "rank": rank,
+        "ds_config": ds_config,
+        "param_numels": numels,
+        "steps": records,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", required=True, help="JSON list of rows")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    keep_freed_memory()  # as the recipes' processes do
+    import deepspeed
+    from deepspeed.comm.comm import comms_logger
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    comms_logger.enabled, comms_logger.prof_all = True, True
+    time_async_waits()
+    rows = json.loads(Path(args.rows).read_text())
+    results = []
+    with tempfile.TemporaryDirectory(prefix="zr-nvme-") as nvme:
+        for row in rows:
+            mine = run_row(row, args.steps, nvme)
+            everyone: list = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, mine)
+            results.append(everyone)
+    if torch.distributed.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results) + "\n")
+
+
+if __name__ == "__main__":
+    main()

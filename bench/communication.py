@@ -1,0 +1,436 @@
+"""Planned against logged communication: bytes per rank per optimizer step for every row, seconds for every stage.
+
+    python bench/communication.py           # every row, 5 timed repetitions (about 10 min here)
+    python bench/communication.py --small   # CI: three rows in one 2-process group, one repetition (about 30 s)
+    python bench/communication.py --render  # rewrite docs/benchmarks.md's section from bench/results/communication.json
+
+The planner (common.communication.plan_communication) against DeepSpeed's own communication log (``comms_logger``,
+read per optimizer step by bench/_comm_worker.py and common.tools.comms_log), on the NLP recipe's tiny Llama (5.3M
+parameters, bf16, micro-batch 2 x 64 tokens), 2 processes unless said:
+
+- bytes: ZeRO stages 0-3 at gradient accumulation 1 and 4; stage 3 with the persistence threshold at 0, at the
+  generic preset's (10 x hidden) and at the NLP preset's (1e6); stage 3 with ``stage3_max_reuse_distance`` 0 (every
+  parameter gathered again for the backward pass) on 4 processes, without and with hpZ (``zero_hpz_partition_size``
+  2); CPU offload of the optimizer (stage 2) and of the parameters (stage 3); and through the recipe's own entry
+  point, tensor parallel 2 (AutoTP, stage 1), sequence parallel 2 (Ulysses, stage 2) and expert parallel 2 (DeepSpeed
+  MoE, stage 2). The bar: planned within 5 % of the logged bytes of every collective of every row.
+- seconds: per stage row, the seconds the training thread spent in collectives per step (bench/_comm_worker.py:
+  synchronous calls as logged, stage 3's asynchronous all-gathers by the time it waited for them, prefetch off so that
+  nothing overlaps) against the planner's seconds over the links ``zero-recipes doctor --collectives`` measured in the
+  same repetition (latency + bytes / bus bandwidth, fitted per collective). The bar: within 30 %, judged on the
+  distribution-free interval of the median over repetitions (bench/_bench_util.median_interval), as
+  bench/checkpoint.py judges its bars.
+
+Writes bench/results/communication.json (provenance included) and renders the section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._bench_util import (  # noqa: E402
+    REPO,
+    add_results_options,
+    bench_env,
+    holding,
+    median_interval,
+    render_from_file,
+    save_and_publish,
+    spread,
+    table_head,
+)
+from common.communication import (  # noqa: E402
+    CommPlan,
+    links_from_doctor,
+    plan_communication,
+    plan_seconds,
+    setup_from_ds_config,
+)
+from common.errors import exit_on_user_error  # noqa: E402
+from common.memory_formulas import ModelFacts, ParallelLayout  # noqa: E402
+from common.tools.comms_log import comms_log_env, median_step, read_comms_log  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "communication.json"
+SECTION = "Communication: planned against DeepSpeed's log"
+DOCS = {SECTION: REPO / "docs" / "benchmarks.md"}
+WORKER = REPO / "bench" / "_comm_worker.py"
+SEQ, MICRO_BATCH, HIDDEN, LAYERS, HEADS = 64, 2, 256, 4, 4
+BYTES_BAR, TIME_BAR = 0.05, 0.30
+DOCTOR_SIZES = "4KiB,64KiB,1MiB,8MiB"
+NO_PREFETCH = {"zero_optimization.stage3_prefetch_bucket_size": 0}
+T0 = {"zero_optimization.stage3_param_persistence_threshold": 0}
+# Reuse distance 0 releases every parameter after its forward use; prefetch off, or its look-ahead would keep them
+# gathered (it marks the backward uses it scans past as fetched: measured, the tiny model then gathers nothing twice).
+REUSE0 = {**T0, **NO_PREFETCH, "zero_optimization.stage3_max_reuse_distance": 0}
+
+
+def row(name: str, preset: str, grad_accum: int = 1, timed: bool = False, **overrides) -> dict:
+    return {
+        "name": name,
+        "preset": preset,
+        "grad_accum": grad_accum,
+        "overrides": overrides,
+        "timed": timed,
+        "micro_batch_size": MICRO_BATCH,
+        "seq_len": SEQ,
+    }
+
+
+# Rows of the 2-process group; the timed ones (one per stage) have prefetch off: every gather waited for whole.
+ROWS_2 = [
+    row("stage 0, GA 1", "ddp", timed=True),
+    row("stage 0, GA 4", "ddp", 4),
+    row("stage 1, GA 1", "deepspeed_stage_1", timed=True),
+    row("stage 1, GA 4", "deepspeed_stage_1", 4),
+    row("stage 2, GA 1", "deepspeed_stage_2", timed=True),
+    row("stage 2, GA 4", "deepspeed_stage_2", 4),
+    row("stage 3, GA 1, threshold 10 x hidden", "deepspeed_stage_3", timed=True, **NO_PREFETCH),
+    row("stage 3, GA 4, threshold 10 x hidden", "deepspeed_stage_3", 4),
+    row("stage 3, GA 1, threshold 0", "deepspeed_stage_3", **T0),
+    row("stage 3, GA 1, threshold 0, reuse distance 0", "deepspeed_stage_3", **REUSE0),
+    # Prefetch on but bounded under the model's size (2e6 of 5.3M elements): the reuse distance decides again.
+    row(
+        "stage 3, GA 1, threshold 0, reuse distance 0, prefetch on, max live 2e6",
+        "deepspeed_stage_3",
+        **T0,
+        **{"zero_optimization.stage3_max_reuse_distance": 0, "zero_optimization.stage3_max_live_parameters": 2_000_000},
+    ),
+    row("stage 3, GA 1, NLP preset (threshold 1e6)", "nlp"),
+    row("stage 2, optimizer offload", "deepspeed_stage_2_offload"),
+    row("stage 3, optimizer and parameter offload", "deepspeed_stage_3_offload"),
+]
+ROWS_4 = [
+    row("stage 3, 4 ranks, reuse distance 0", "deepspeed_stage_3", **REUSE0),
+    row(
+        "stage 3, 4 ranks, reuse distance 0, hpZ 2",
+        "deepspeed_stage_3",
+        **REUSE0,
+        **{"zero_optimization.zero_hpz_partition_size": 2},
+    ),
+]
+SMALL_ROWS = [
+    row("stage 2, GA 2", "deepspeed_stage_2", 2, timed=True),
+    row("stage 3, GA 2, threshold 0, reuse distance 0", "deepspeed_stage_3", 2, timed=True, **REUSE0),
+    row("stage 3, GA 1, threshold 10 x hidden", "deepspeed_stage_3"),
+]
+# (name, recipe keys): the NLP recipe's own entry point, 2 processes, its communication logged from outside.
+LAYOUTS = [
+    ("TP 2 (AutoTP), stage 1", ["preset=deepspeed_stage_1", "tensor_parallel=2"]),
+    ("SP 2 (Ulysses), stage 2", ["preset=deepspeed_stage_2", "sequence_parallel=2"]),
+    ("EP 2 (DeepSpeed MoE), stage 2", ["preset=deepspeed_stage_2", "model=moe_tiny", "expert_parallel=2"]),
+]
+RECIPE_KEYS = [
+    "data=stdlib",
+    "max_train_tokens=60000",
+    f"seq_len={SEQ}",
+    f"micro_batch_size={MICRO_BATCH}",
+    "max_steps=4",
+    "max_val_tokens=1024",
+    "eval_interval=100",
+    "checkpoint_interval=100",
+    "log_interval=100",
+    "sample_tokens=4",
+    "warmup_steps=2",
+    "overwrite=true",
+]
+
+
+def run(command: list[str], env: dict | None = None, timeout: float = 1800) -> None:
+    import subprocess
+
+    proc = subprocess.run(
+        command, cwd=REPO, env={**bench_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:6])} ... failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        bench_env()["MASTER_PORT"],
+    ]
+
+
+def measure_doctor(nproc: int, work: Path) -> dict:
+    """``zero-recipes doctor --collectives`` on ``nproc`` processes: its doctor.json."""
+    out = work / f"doctor-{nproc}"
+    run([*torchrun(nproc), "-m", "common.tools.doctor", "--collectives", "--sizes", DOCTOR_SIZES, "--out", str(out)])
+    return json.loads((out / "doctor.json").read_text())
+
+
+def measure_rows(rows: list[dict], nproc: int, steps: int, work: Path) -> list[list[dict]]:
+    """The worker's records: per row, per rank."""
+    rows_file, out = work / f"rows-{nproc}.json", work / f"worker-{nproc}.json"
+    rows_file.write_text(json.dumps(rows))
+    run([*torchrun(nproc), str(WORKER), "--rows", str(rows_file), "--steps", str(steps), "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def measure_layout(name: str, keys: list[str], work: Path) -> dict:
+    """One layout through the recipe (accelerate launch), its communication logged per step by common.tools.comms_log;
+    the recipe's ``--describe`` of the same keys gives the planner its model and config."""
+    from common.tools.recipes import describe
+
+    folder = work / ("comms-" + name.split(" ")[0] + name.split(" ")[1])
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "recipes/nlp/accelerate.yaml",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        bench_env()["MASTER_PORT"],
+        "recipes/nlp/train_accelerate.py",
+    ]
+    out_dir = work / ("run-" + folder.name)
+    run([*launch, *RECIPE_KEYS, *keys, f"out_dir={out_dir}"], env=comms_log_env(folder))
+    described = describe("nlp", None, [*RECIPE_KEYS, *keys, "devices=2"])
+    ranks = read_comms_log(folder)
+    return {
+        "name": name,
+        "keys": keys,
+        "ds_config": described.ds_config,
+        "config": described.config,
+        "facts": described.to_json()["model"],
+        "logged": {str(rank): steps for rank, steps in ranks.items()},
+    }
+
+
+def measure(small: bool, reps: int, steps: int, lock: Path | None, work: Path) -> dict:
+    rows_2 = SMALL_ROWS if small else ROWS_2
+    repetitions = []
+    for rep in range(reps):
+        with holding(lock):
+            doctor = measure_doctor(2, work)
+            records = measure_rows(rows_2, 2, steps, work)
+        repetitions.append({"doctor": doctor["measured"], "rows": records})
+        print(f"repetition {rep + 1}/{reps} done", flush=True)
+    four, layouts = [], []
+    if not small:
+        with holding(lock):
+            four = measure_rows(ROWS_4, 4, steps, work)
+        for name, keys in LAYOUTS:
+            with holding(lock):
+                layouts.append(measure_layout(name, keys, work))
+            print(f"{name} done", flush=True)
+    return {
+        "seq_len": SEQ,
+        "micro_batch_size": MICRO_BATCH,
+        "steps": steps,
+        "repetitions": repetitions,
+        "rows_4": four,
+        "layouts": layouts,
+    }
+
+
+# --- planned against logged -----------------------------------------------------------------------------------
+
+
+def worker_plan(record: dict, world: int, ranks_per_node: int | None = None) -> CommPlan:
+    """The planner's account of a worker row: its model's parameters in order, its resolved DeepSpeed config."""
+    numels = tuple(record["param_numels"])
+    facts = ModelFacts(
+        num_params=sum(numels), param_numels=numels, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS
+    )
+    setup = setup_from_ds_config(record["ds_config"], MICRO_BATCH * SEQ, ranks_per_node, param_groups=1)
+    return plan_communication(facts, setup, ParallelLayout(world_size=world))
+
+
+def layout_plan(layout: dict) -> CommPlan:
+    cfg = layout["config"]
+    facts = dict(layout["facts"])
+    facts["param_numels"] = tuple(facts["param_numels"])
+    model = ModelFacts(**facts)
+    shape = ParallelLayout(
+        world_size=2, tensor=cfg["tensor_parallel"], expert=cfg["expert_parallel"], sequence=cfg["sequence_parallel"]
+    )
+    setup = setup_from_ds_config(layout["ds_config"], MICRO_BATCH * SEQ, None, param_groups=2)
+    return plan_communication(model, setup, shape)
+
+
+def compare(plan: CommPlan, steps: list[dict]) -> dict:
+    """Per collective: logged bytes per step (median over the steps after the first, rank 0) against planned."""
+    logged = median_step(steps[1:])
+    planned = plan.by_collective()
+    names = [n for n in dict.fromkeys([*planned, *logged]) if n not in ("broadcast",)]
+    out = {}
+    for name in names:
+        seen = logged.get(name, {}).get("bytes", 0.0)
+        plan_bytes = planned.get(name, 0.0)
+        out[name] = {"logged": seen, "planned": plan_bytes, "off": (plan_bytes - seen) / seen if seen else None}
+    return out
+
+
+def worst_off(collectives: dict) -> float:
+    """The largest relative difference of a collective that carries at least 1 % of the row's logged bytes (the
+    gradient norm's and the loss's scalars are a few bytes: reported, not judged)."""
+    total = sum(c["logged"] for c in collectives.values())
+    judged = [c for c in collectives.values() if c["logged"] >= 0.01 * total or c["planned"] >= 0.01 * total]
+    return max((abs(c["off"]) if c["off"] is not None else float("inf")) for c in judged) if judged else 0.0
+
+
+def byte_rows(results: dict) -> list[dict]:
+    rows = []
+    first = results["repetitions"][0]["rows"]
+    for ranks in first:
+        rec = ranks[0]
+        rows.append({"name": rec["name"], "world": len(ranks), **_judged(worker_plan(rec, len(ranks)), rec["steps"])})
+    for ranks in results["rows_4"]:
+        rec = ranks[0]
+        rows.append({"name": rec["name"], "world": 4, **_judged(worker_plan(rec, 4, 2), rec["steps"])})
+    for layout in results["layouts"]:
+        steps = [{"logged": step} for step in layout["logged"]["0"]]
+        rows.append({"name": layout["name"], "world": 2, **_judged(layout_plan(layout), steps)})
+    return rows
+
+
+def _judged(plan: CommPlan, steps: list[dict]) -> dict:
+    collectives = compare(plan, [step["logged"] for step in steps])
+    off = worst_off(collectives)
+    return {"collectives": collectives, "worst_off": off, "met": off <= BYTES_BAR}
+
+
+def time_rows(results: dict) -> list[dict]:
+    """Per timed row: measured and planned communication seconds per step in each repetition, and the verdict."""
+    rows = []
+    first = results["repetitions"][0]["rows"]
+    for index, name in enumerate(rec[0]["name"] for rec in first):
+        if not first[index][0]["timed"]:
+            continue
+        measured, planned = [], []
+        for rep in results["repetitions"]:
+            ranks = rep["rows"][index]
+            links = links_from_doctor({"measured": rep["doctor"]}, world_size=len(ranks))
+            # The slowest rank's median over the steps after the first: a collective ends when its last rank does.
+            measured.append(max(statistics.median(s["comm_s"] for s in r["steps"][1:]) for r in ranks))
+            planned.append(plan_seconds(worker_plan(ranks[0], len(ranks)), links))
+        ratios = [p / m for p, m in zip(planned, measured, strict=True)]
+        low, high, coverage = median_interval(ratios)
+        met = low >= 1 - TIME_BAR and high <= 1 + TIME_BAR
+        rows.append(
+            {
+                "name": name,
+                "measured_s": measured,
+                "planned_s": planned,
+                "ratio": statistics.median(ratios),
+                "interval": [low, high, coverage],
+                "spread": spread(ratios),
+                "met": met,
+            }
+        )
+    return rows
+
+
+# --- the docs section -----------------------------------------------------------------------------------------
+
+
+def _mb(value: float) -> str:
+    return f"{value / 1e6:.3f}"
+
+
+def render_body(results: dict) -> str:
+    lines = [
+        f"The NLP recipe's tiny Llama, bf16, micro-batch {results['micro_batch_size']} x {results['seq_len']} tokens, "
+        f"{results['steps']} optimizer steps per row; per collective, MB per rank per optimizer step as DeepSpeed's "
+        "`comms_logger` counts them (the median of the steps after the first, rank 0) against "
+        "`common.communication.plan_communication` for the same config. The bar: within "
+        f"{BYTES_BAR:.0%} for every collective carrying at least 1 % of a row's bytes.",
+        "",
+        *table_head("setup", "ranks", "collective: logged / planned MB", "worst", "bar"),
+    ]
+    for r in byte_rows(results):
+        cells = "; ".join(f"{name} {_mb(c['logged'])} / {_mb(c['planned'])}" for name, c in r["collectives"].items())
+        lines.append(
+            f"| {r['name']} | {r['world']} | {cells} | {r['worst_off']:.1%} | {'met' if r['met'] else 'not met'} |"
+        )
+    for r in byte_rows(results):
+        moe = r["collectives"].get("all_to_all") if r["name"].startswith("EP") else None
+        if moe and moe["logged"]:
+            lines += [
+                "",
+                f"{r['name']}: the experts' all-to-all moved {moe['logged'] / moe['planned']:.2f}x the planned bytes. "
+                "Its size follows the routing: DeepSpeed MoE without token dropping (the recipe's `drop_tokens=False`) "
+                "pads every expert's slot to the busiest expert's load, and the planner assumes even routing "
+                "(`moe_capacity_factor` 1.0, a lower bound; the ratio above is this run's effective factor).",
+            ]
+        bounded = r["collectives"].get("all_gather") if "max live" in r["name"] else None
+        if bounded and bounded["planned"]:
+            lines += [
+                "",
+                f"{r['name']}: logged {bounded['logged'] / bounded['planned']:.0%} of the planned all-gather bytes. "
+                "The planner has two cases: a prefetch that may hold the whole model keeps it all gathered (measured "
+                "in the rows above), otherwise the reuse distance alone decides. Bounded under the model's size, the "
+                "prefetch's look-ahead still kept part of it gathered for the backward pass: the plan is an upper "
+                "bound there.",
+            ]
+    timed = time_rows(results)
+    if timed:
+        reps = len(results["repetitions"])
+        lines += [
+            "",
+            f"Seconds per step in collectives, measured against planned over the links `zero-recipes doctor "
+            f"--collectives` measured in the same repetition ({reps} repetition(s); the bar: planned / measured within "
+            f"{TIME_BAR:.0%}, judged on the median's interval):",
+            "",
+            *table_head(
+                "stage row",
+                "measured s/step (median)",
+                "planned s/step",
+                "planned / measured",
+                "interval",
+                "min-max",
+                "bar",
+            ),
+        ]
+        for t in timed:
+            low, high, coverage = t["interval"]
+            lines.append(
+                f"| {t['name']} | {statistics.median(t['measured_s']):.4f} | {statistics.median(t['planned_s']):.4f} | "
+                f"{t['ratio']:.2f} | {low:.2f}-{high:.2f} ({coverage:.1%}) | {t['spread'][0]:.2f}-{t['spread'][1]:.2f}"
+                f" | {'met' if t['met'] else 'not met'} |"
+            )
+    return "\n".join(lines)
+
+
+def render_sections(document: dict) -> dict[str, str]:
+    """Section name -> Markdown body, from a communication.json document alone."""
+    return {SECTION: render_body(document["results"])}
+
+
+@exit_on_user_error(FileNotFoundError, ValueError)
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="three rows, one repetition (the CI test's mode)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5; --small: 1)")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per row (the first is not counted)")
+    parser.add_argument("--lock", type=Path, default=None, help="hold an exclusive flock on this file during each run")
+    parser.add_argument("--work-dir", type=Path, default=None, help="where the runs write (default: a temp folder)")
+    add_results_options(parser, RESULTS)
+    args = parser.parse_args()
+    if args.render:
+        render_from_file(args.json, render_sections, DOCS)
+        return
+    reps = args.reps or (1 if args.small else 5)
+    with tempfile.TemporaryDirectory(prefix="zr-comm-") as tmp:
+        results = measure(args.small, reps, args.steps, args.lock, args.work_dir or Path(tmp))
+    print(render_body(results))
+    save_and_publish(args, results, render_sections, DOCS)
+
+
+if __name__ == "__main__":
+    main()

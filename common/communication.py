@@ -1,0 +1,800 @@
+"""The network half of choosing a stage: bytes each rank sends per optimizer step, and the seconds they take.
+
+Pure arithmetic, no DeepSpeed, no torch. :func:`plan_communication` lists every collective one rank takes part in
+during one optimizer step, as DeepSpeed 0.19 schedules it (read from its sources and checked against its own
+communication log, ``comms_logger``, by ``bench/communication.py``):
+
+- stage 0 and 1: one all-reduce of every gradient per optimizer step, at the gradient-accumulation boundary
+  (``engine.allreduce_gradients``); stage 1 then all-gathers the updated 16-bit parameters (each rank's partition);
+- stage 2: the gradients are reduced every micro-batch, as each bucket fills in the backward pass. DeepSpeed's
+  "reduce_scatter" is an all-reduce of the whole bucket of which each rank keeps its part
+  (``use_multi_rank_bucket_allreduce``, on by default), then the same all-gather after the step;
+- stage 3: every micro-batch all-gathers each sharded parameter before its forward pass, all-gathers again in the
+  backward pass the parameters it released in between (those whose next use lies further than
+  ``stage3_max_reuse_distance`` elements ahead in the trace; with the default 1e9 a model under about 1e9
+  parameters keeps them all), and reduce-scatters every gradient. Parameters of at most
+  ``stage3_param_persistence_threshold`` elements are not gathered for compute (they stay whole on every rank) but
+  their gradients are reduce-scattered like the rest, and after the step each rank's updated partition of them is
+  all-gathered once. ``stage3_max_live_parameters`` bounds the prefetch, not what is
+  gathered: it moves no byte. hpZ (``zero_hpz_partition_size``) gathers the backward pass's parameters from a
+  second copy sharded inside the node; qwZ (``zero_quantized_weights``) sends int8 weights in the forward all-gather
+  and qgZ (``zero_quantized_gradients``) replaces the reduce-scatter by an int4 all-to-all;
+- tensor parallelism (AutoTP) all-reduces activations, sequence parallelism (Ulysses) sends queries, keys, values and
+  the attention output through all-to-alls, expert parallelism (DeepSpeed MoE) sends tokens to their experts and
+  back through all-to-alls: those scale with the tokens of a micro-batch, not with the parameters.
+
+Bytes are counted two ways. ``message_bytes`` is what DeepSpeed's ``comms_logger`` records for a call: the bytes of
+the tensor it passes in (``deepspeed.comm.utils.get_msg_size_from_args``): the whole buffer for an all-reduce and a
+reduce-scatter, this rank's shard for an all-gather, its whole input for an all-to-all. ``sent_bytes`` is what the
+rank puts on the wire with ring algorithms: nccl-tests' "bus" convention, (n - 1) / n of the whole buffer for a
+reduce-scatter, an all-gather or an all-to-all and twice that for an all-reduce. A bus bandwidth (what ``zero-recipes
+doctor --collectives`` measures, as nccl-tests do) divides ``sent_bytes`` into seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.errors import ConfigError, nearest
+from common.memory_formulas import WORKING_BYTES, ModelFacts, ParallelLayout, rank_params
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "point_to_point")
+SCOPES = ("intra_node", "inter_node")
+
+# DeepSpeed's defaults for the stage-3 schedule (deepspeed/runtime/zero/config.py).
+DS_MAX_REUSE_DISTANCE = 1_000_000_000
+DS_BUCKET_ELEMENTS = 500_000_000
+DS_PREFETCH_ELEMENTS = 50_000_000
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+
+FP32_BYTES = 4
+INT8_BYTES = 1
+INT4_BYTES = 0.5
+
+# Transfers that run after the optimizer step, when no compute is left to hide them under.
+AFTER_STEP = "updated parameters after the step (each rank's partition)"
+EXPERTS_AFTER_STEP = "updated expert parameters after the step"
+PERSISTENT_AFTER_STEP = "persistent parameters gathered whole again after the step"
+
+# nccl-tests' bus factor: the share of the whole buffer each rank sends with ring algorithms (doctor's figures too).
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "point_to_point": lambda n: 1.0,
+}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One kind of call in an optimizer step, as one rank takes part in it.
+
+    Attributes:
+        collective: one of :data:`COLLECTIVES`.
+        purpose: what it carries and when, in words (``gradients, every micro-batch``).
+        message_bytes: the calls' message sizes summed over the step, in DeepSpeed's ``comms_logger`` convention (the
+            tensor passed in: the whole buffer of an all-reduce or reduce-scatter, this rank's shard of an all-gather).
+        calls: calls per optimizer step.
+        group_size: ranks in the collective's group.
+        scope: ``intra_node`` when the group lies inside one node, else ``inter_node``.
+    """
+
+    collective: str
+    purpose: str
+    message_bytes: float
+    calls: int
+    group_size: int
+    scope: str
+
+    @property
+    def buffer_bytes(self) -> float:
+        """nccl-tests' data size: the whole buffer (an all-gather's output: its shard times the group size)."""
+        return self.message_bytes * (self.group_size if self.collective == "all_gather" else 1)
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes this rank sends with ring algorithms: the buffer times nccl-tests' bus factor."""
+        if self.group_size <= 1:
+            return 0.0
+        return self.buffer_bytes * BUS_FACTOR[self.collective](self.group_size)
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """Every transfer of one rank in one optimizer step (:func:`plan_communication`)."""
+
+    transfers: tuple[Transfer, ...]
+
+    def message_bytes(self, collective: str | None = None) -> float:
+        """DeepSpeed-logged bytes per step, of one collective or of all."""
+        return sum(t.message_bytes for t in self.transfers if collective in (None, t.collective))
+
+    def sent_bytes(self, scope: str | None = None) -> float:
+        """Bytes this rank sends per step, over one scope (``intra_node`` / ``inter_node``) or both."""
+        return sum(t.sent_bytes for t in self.transfers if scope in (None, t.scope))
+
+    def calls(self, collective: str | None = None) -> int:
+        """Calls per step, of one collective or of all."""
+        return sum(t.calls for t in self.transfers if collective in (None, t.collective))
+
+    def by_collective(self) -> dict[str, float]:
+        """DeepSpeed-logged bytes per step for each collective that occurs."""
+        return {c: self.message_bytes(c) for c in COLLECTIVES if any(t.collective == c for t in self.transfers)}
+
+
+@dataclass(frozen=True)
+class CommSetup:
+    """What decides the collectives besides the model and the layout: the ZeRO config and the batch.
+
+    Attributes:
+        stage: ZeRO stage 0-3.
+        precision: ``bf16``, ``fp16`` or ``fp32``: the working copy's bytes (parameters gathered, gradients reduced).
+        grad_accum: micro-batches per optimizer step.
+        offload: ``none``, ``optimizer``, ``params`` or ``nvme``: where partitions live; it moves no collective byte
+            (the partition is copied to the device before it is sent), listed so that callers need not drop it.
+        persistence_threshold: ``stage3_param_persistence_threshold``: parameters of at most this many elements stay
+            whole on every rank and are never gathered.
+        max_reuse_distance: ``stage3_max_reuse_distance``, elements: a parameter used again within this many
+            elements of the trace stays gathered from its forward to its backward use.
+        hpz_partition_size: ``zero_hpz_partition_size``: ranks sharing hpZ's second copy (1 = off).
+        quantized_weights: qwZ, int8 weights in the forward all-gather (DeepSpeed's CUDA quantizer).
+        quantized_gradients: qgZ, an int4 all-to-all instead of the gradient reduce-scatter (CUDA).
+        reduce_bucket_size: elements per gradient reduction (``reduce_bucket_size``): sets the calls, not the bytes.
+        prefetch_bucket_size: ``stage3_prefetch_bucket_size``: stage 3 gathers this many elements per call ahead of
+            use (0: one call per module, no look-ahead).
+        max_live_parameters: ``stage3_max_live_parameters``: gathered elements the prefetch may hold at once.
+        tokens_per_micro_batch: micro batch x sequence length per replica: the activations that TP, SP and EP send.
+        ranks_per_node: ranks on one node (None: all on one node): which groups cross the network.
+        param_groups: optimizer parameter groups (stages 1-2 all-gather each group's partition in one call).
+        moe_capacity_factor: tokens an expert receives over its even share (DeepSpeed MoE pads every expert's slot to
+            the busiest one when it drops no token: 1.0 is perfectly even routing, a lower bound).
+        moe_top_k: experts each token goes to.
+    """
+
+    stage: int
+    precision: str = "bf16"
+    grad_accum: int = 1
+    offload: str = "none"
+    persistence_threshold: int = 0
+    max_reuse_distance: float = DS_MAX_REUSE_DISTANCE
+    hpz_partition_size: int = 1
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    reduce_bucket_size: float = DS_BUCKET_ELEMENTS
+    prefetch_bucket_size: float = DS_PREFETCH_ELEMENTS
+    max_live_parameters: float = DS_MAX_LIVE_PARAMETERS
+    tokens_per_micro_batch: int = 0
+    ranks_per_node: int | None = None
+    param_groups: int = 1
+    moe_capacity_factor: float = 1.0
+    moe_top_k: int = 2
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage}")
+        if self.precision not in WORKING_BYTES:
+            raise ConfigError(f"unknown precision {self.precision!r}{nearest(self.precision, WORKING_BYTES)}")
+        for name in ("grad_accum", "hpz_partition_size", "param_groups", "moe_top_k"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("persistence_threshold", "max_reuse_distance", "tokens_per_micro_batch"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.reduce_bucket_size <= 0:
+            raise ConfigError(f"reduce_bucket_size must be > 0, got {self.reduce_bucket_size}")
+
+
+def setup_from_ds_config(
+    ds_config: dict[str, Any], tokens_per_micro_batch: int = 0, ranks_per_node: int | None = None, param_groups: int = 1
+) -> CommSetup:
+    """The :class:`CommSetup` of a resolved DeepSpeed config (``common.strategy.resolve_deepspeed_config``'s output),
+    with DeepSpeed's defaults where the config leaves a key out."""
+    zero = ds_config.get("zero_optimization") or {}
+    precision = "bf16" if (ds_config.get("bf16") or {}).get("enabled") else "fp32"
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        precision = "fp16"
+    param_device = (zero.get("offload_param") or {}).get("device", "none")
+    optimizer_device = (zero.get("offload_optimizer") or {}).get("device", "none")
+    offload = "nvme" if param_device == "nvme" else "params" if param_device == "cpu" else "none"
+    if offload == "none" and optimizer_device in ("cpu", "nvme"):
+        offload = "optimizer"
+    return CommSetup(
+        stage=int(zero.get("stage", 0)),
+        precision=precision,
+        grad_accum=int(ds_config.get("gradient_accumulation_steps", 1)),
+        offload=offload,
+        persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 100_000)),
+        max_reuse_distance=float(zero.get("stage3_max_reuse_distance", DS_MAX_REUSE_DISTANCE)),
+        hpz_partition_size=int(zero.get("zero_hpz_partition_size", 1)),
+        quantized_weights=bool(zero.get("zero_quantized_weights", False)),
+        quantized_gradients=bool(zero.get("zero_quantized_gradients", False)),
+        reduce_bucket_size=float(zero.get("reduce_bucket_size", DS_BUCKET_ELEMENTS)),
+        prefetch_bucket_size=float(zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_ELEMENTS)),
+        max_live_parameters=float(zero.get("stage3_max_live_parameters", DS_MAX_LIVE_PARAMETERS)),
+        tokens_per_micro_batch=tokens_per_micro_batch,
+        ranks_per_node=ranks_per_node,
+        param_groups=param_groups,
+    )
+
+
+# --- which groups cross the network -------------------------------------------------------------------------
+
+
+def group_scope(group_size: int, stride: int, ranks_per_node: int | None) -> str:
+    """``intra_node`` when a group of ``group_size`` ranks ``stride`` apart fits in one node, else ``inter_node``.
+
+    The layout of DeepSpeed and Megatron: tensor-parallel ranks are neighbours (stride 1), sequence-parallel ones
+    next (stride TP), data-parallel ones furthest apart (stride TP x SP), so the network is crossed first by DP.
+    """
+    if group_size <= 1 or ranks_per_node is None:
+        return "intra_node"
+    return "intra_node" if group_size * stride <= ranks_per_node else "inter_node"
+
+
+# --- the parameters a stage-3 step gathers ------------------------------------------------------------------
+
+
+def shard_elements(numel: int, ranks: int) -> int:
+    """Elements of one rank's partition of a parameter: DeepSpeed pads each parameter to a multiple of the ranks."""
+    return -(-numel // ranks)
+
+
+def released_before_backward(
+    numels: tuple[int, ...], persistent_threshold: int, max_reuse_distance: float
+) -> list[bool]:
+    """Per parameter (in forward order): whether stage 3 releases it after its forward use and gathers it again in the
+    backward pass.
+
+    DeepSpeed (``PartitionedParameterCoordinator.__params_to_release``) keeps a parameter gathered when it occurs
+    again among the modules whose parameters add up to ``max_reuse_distance`` elements from the current point of the
+    trace. The trace runs forward then backward, so after parameter i's forward use the modules ahead are those after
+    it (forward) and then those after it again (backward, in reverse): its next use lies 2 x (elements after it)
+    ahead. Persistent parameters are never released. One parameter stands for one module here (a Llama layer's
+    modules each hold one matrix); a module's order inside a layer can differ from its parameters' order by a few
+    matrices. A prefetch that can hold the whole model keeps everything gathered (:func:`prefetch_holds_everything`).
+    """
+    after = 0
+    released = [False] * len(numels)
+    for i in range(len(numels) - 1, -1, -1):
+        sharded = numels[i] > persistent_threshold
+        released[i] = sharded and 2 * after >= max_reuse_distance
+        after += numels[i]
+    return released
+
+
+def prefetch_holds_everything(sharded_elements: float, setup: CommSetup) -> bool:
+    """Whether stage 3's prefetch keeps every sharded parameter gathered from its forward to its backward use.
+
+    The prefetch walks the parameter trace ahead of compute, a bucket per module, and marks each use it passes as
+    fetched; a parameter whose later use is marked is not released. When ``stage3_max_live_parameters`` lets it hold
+    every sharded parameter at once, it soon has the whole forward pass in flight and sweeps the backward uses too:
+    nothing is released, whatever the reuse distance (measured: the 5.3M-parameter tiny Llama at reuse distance 0
+    gathered each parameter once a micro-batch with prefetch on, twice with prefetch off). Otherwise the reuse
+    distance decides (:func:`released_before_backward`).
+    """
+    return setup.prefetch_bucket_size > 0 and sharded_elements <= setup.max_live_parameters
+
+
+# --- the account ---------------------------------------------------------------------------------------------
+
+
+def forward_numels(facts: ModelFacts) -> tuple[int, ...]:
+    """The model's parameters in forward order: ``param_numels`` when they list the matrices one by one, else a
+    Llama-shaped list from the shape (embedding; per layer a norm, the attention's four matrices, a norm, the MLP's
+    three; the final norm and the output layer) scaled to ``num_params``.
+
+    ``assumed_transformer`` (a bare ``--params``) lumps every matrix into one entry, which would hide the order that
+    stage 3's reuse distance reads; a lump is recognised as one entry holding over half of the parameters.
+    """
+    numels = facts.param_numels
+    lumped = not numels or (max(numels) > facts.num_params / 2 and (facts.num_layers or 0) > 1)
+    if not lumped or not (facts.hidden_size and facts.num_layers):
+        return numels or (facts.num_params,)
+    h, layers = facts.hidden_size, facts.num_layers
+    inter = facts.intermediate_size or int(8 * h / 3)
+    vocab = facts.vocab_size or 0
+    layer = (h, h * h, h * h, h * h, h * h, h, h * inter, h * inter, h * inter)
+    shape = (vocab * h, *(layer * layers), h, vocab * h)
+    scale = facts.num_params / sum(shape)
+    return tuple(max(1, round(n * scale)) for n in shape)
+
+
+def _rank_numels(facts: ModelFacts, layout: ParallelLayout) -> tuple[tuple[int, ...], int]:
+    """(dense parameters of this rank in forward order, expert parameters of this rank): the model's parameters
+    scaled to the rank's tensor/pipeline slice (:func:`common.memory_formulas.rank_params`)."""
+    dense, experts = rank_params(facts, layout)
+    numels = forward_numels(facts)
+    total_dense = facts.num_params - facts.expert_params
+    scale = dense / total_dense if total_dense else 0.0
+    # Experts are a lump of their own (a separate ZeRO group); the rest scales to the rank's slice.
+    dense_numels = tuple(max(1, round(n * scale)) for n in numels)
+    if facts.expert_params and facts.param_numels:
+        # param_numels lists the experts too: drop as many elements from the end of the list as they hold.
+        dense_numels = _without_experts(dense_numels, round(facts.expert_params * scale))
+    return dense_numels, int(experts)
+
+
+def _without_experts(numels: tuple[int, ...], expert_elements: int) -> tuple[int, ...]:
+    kept, dropped = [], 0
+    for n in sorted(numels, reverse=True):
+        if dropped + n <= expert_elements:
+            dropped += n
+        else:
+            kept.append(n)
+    return tuple(kept)
+
+
+def plan_communication(facts: ModelFacts, setup: CommSetup, layout: ParallelLayout) -> CommPlan:
+    """Every collective one rank takes part in during one optimizer step (module docstring).
+
+    Args:
+        facts: the model; ``param_numels`` in registration order (forward order for a Llama) gives the stage-3
+            schedule exactly, without it the model is one lump.
+        setup: the ZeRO config and batch.
+        layout: world size and the TP, PP, EP and SP degrees.
+
+    Returns:
+        The plan: one :class:`Transfer` per kind of call.
+    """
+    numels, expert_numel = _rank_numels(facts, layout)
+    p = WORKING_BYTES[setup.precision]
+    a = setup.grad_accum
+    rpn = setup.ranks_per_node
+    tp, sp = layout.tensor, layout.sequence
+    zero_ranks = layout.zero_ranks  # DP x SP: ZeRO shards over them
+    # ZeRO's group: DP x SP ranks, stride TP (sequence-parallel ranks are part of it).
+    zero_scope = group_scope(zero_ranks, tp, rpn)
+    transfers: list[Transfer] = []
+    # Under sequence parallelism stages 1-2 reduce in fp32 (stage_1_and_2.allreduce_bucket).
+    grad_bytes = FP32_BYTES if (sp > 1 and setup.stage in (1, 2)) else p
+    dense_total = sum(numels)
+
+    def add(collective: str, purpose: str, message: float, calls: int, group: int, scope: str) -> None:
+        # DeepSpeed reduces gradients over its data-parallel group even when tensor parallelism leaves it one rank
+        # (logged, nothing sent); it skips the all-gather after the step there.
+        called = group > 1 or (collective == "all_reduce" and layout.world_size > 1)
+        if called and message > 0:
+            transfers.append(Transfer(collective, purpose, float(message), int(calls), group, scope))
+
+    bucket_calls = max(1, math.ceil(dense_total / setup.reduce_bucket_size))
+    if setup.stage in (0, 1):
+        add("all_reduce", "gradients, once per step", grad_bytes * dense_total, bucket_calls, zero_ranks, zero_scope)
+    elif setup.stage == 2:
+        add(
+            "all_reduce",
+            "gradients, every micro-batch (DeepSpeed's bucketed 'reduce-scatter')",
+            a * grad_bytes * dense_total,
+            a * bucket_calls,
+            zero_ranks,
+            zero_scope,
+        )
+    if setup.stage in (1, 2):
+        shard = shard_elements(dense_total, zero_ranks)
+        add(
+            "all_gather",
+            AFTER_STEP,
+            p * shard,
+            setup.param_groups,
+            zero_ranks,
+            zero_scope,
+        )
+    if setup.stage >= 1:
+        # The gradient norm (and, in 16-bit, the overflow check) is summed over the ranks once a step: bytes that do
+        # not count, calls that do (stage_1_and_2.get_grad_norm_direct / has_overflow, stage3's norm in fp64).
+        checks = 1 if setup.stage == 3 or setup.precision == "fp32" else 2
+        add("all_reduce", "gradient norm and overflow check", 8.0 if setup.stage == 3 else 3 + checks, checks,
+            zero_ranks, zero_scope)  # fmt: skip
+    if setup.stage == 3:
+        transfers += _stage3(numels, setup, zero_ranks, zero_scope, tp)
+    if expert_numel:
+        transfers += _experts(expert_numel, setup, layout, grad_bytes)
+    transfers += _activations(facts, setup, layout)
+    return CommPlan(tuple(transfers))
+
+
+def _stage3(numels: tuple[int, ...], setup: CommSetup, ranks: int, scope: str, tp: int) -> list[Transfer]:
+    p = WORKING_BYTES[setup.precision]
+    a = setup.grad_accum
+    gathered = [n for n in numels if n > setup.persistence_threshold]
+    released = released_before_backward(numels, setup.persistence_threshold, setup.max_reuse_distance)
+    regathered = [n for n, again in zip(numels, released) if again]
+    if prefetch_holds_everything(sum(gathered), setup):
+        regathered = []
+    weight_bytes = INT8_BYTES if setup.quantized_weights else p
+    transfers = []
+    if gathered and ranks > 1:
+        forward = sum(shard_elements(n, ranks) for n in gathered)
+        # With prefetch DeepSpeed coalesces the parameters of the next prefetch_bucket_size elements into one call.
+        prefetch = min(setup.prefetch_bucket_size, setup.max_live_parameters)
+        forward_calls = min(len(gathered), math.ceil(sum(gathered) / prefetch)) if prefetch > 0 else len(gathered)
+        transfers.append(
+            Transfer(
+                "all_gather",
+                "sharded parameters before their forward use, every micro-batch"
+                + (" (qwZ: int8)" if setup.quantized_weights else ""),
+                a * weight_bytes * forward,
+                a * forward_calls,
+                ranks,
+                scope,
+            )
+        )
+    if regathered and ranks > 1:
+        hpz = setup.hpz_partition_size
+        group = hpz if hpz > 1 else ranks
+        backward = sum(shard_elements(n, group) for n in regathered)
+        transfers.append(
+            Transfer(
+                "all_gather",
+                "parameters released after forward, gathered again for backward"
+                + (f" (hpZ: from the copy sharded over {hpz} ranks)" if hpz > 1 else ""),
+                a * p * backward,
+                a * len(regathered),
+                group,
+                group_scope(group, tp, setup.ranks_per_node) if hpz > 1 else scope,
+            )
+        )
+    persistent = [n for n in numels if n <= setup.persistence_threshold]
+    if persistent and ranks > 1:
+        # Each rank updated its partition of the persistent parameters: DeepSpeed gathers them whole again after the
+        # step (stage3._post_step), one call per parameter.
+        transfers.append(
+            Transfer(
+                "all_gather",
+                PERSISTENT_AFTER_STEP,
+                p * sum(shard_elements(n, ranks) for n in persistent),
+                len(persistent),
+                ranks,
+                scope,
+            )
+        )
+    if ranks > 1:
+        padded = sum(shard_elements(n, ranks) * ranks for n in numels)
+        calls = a * max(1, math.ceil(sum(numels) / setup.reduce_bucket_size))
+        if setup.quantized_gradients:
+            transfers.append(
+                Transfer(
+                    "all_to_all",
+                    "gradients as int4, every micro-batch (qgZ)",
+                    a * INT4_BYTES * padded,
+                    calls,
+                    ranks,
+                    scope,
+                )
+            )
+        else:
+            transfers.append(
+                Transfer("reduce_scatter", "gradients, every micro-batch", a * p * padded, calls, ranks, scope)
+            )
+    return transfers
+
+
+def _experts(expert_numel: int, setup: CommSetup, layout: ParallelLayout, grad_bytes: int) -> list[Transfer]:
+    """Expert parameters are ZeRO-partitioned over the expert-data-parallel group (DP / EP ranks, stride EP x TP)."""
+    group = layout.expert_data_parallel
+    if layout.world_size <= 1:
+        return []
+    scope = group_scope(group, layout.expert * layout.tensor, setup.ranks_per_node)
+    a = setup.grad_accum
+    per_step = a if setup.stage >= 2 else 1
+    transfers = [
+        Transfer(
+            "all_reduce",
+            "expert gradients over the expert-data-parallel group",
+            per_step * grad_bytes * expert_numel,
+            per_step,
+            group,
+            scope,
+        )
+    ]
+    if setup.stage in (1, 2) and group > 1:
+        transfers.append(
+            Transfer(
+                "all_gather",
+                EXPERTS_AFTER_STEP,
+                WORKING_BYTES[setup.precision] * shard_elements(expert_numel, group),
+                1,
+                group,
+                scope,
+            )
+        )
+    return transfers
+
+
+def _activations(facts: ModelFacts, setup: CommSetup, layout: ParallelLayout) -> list[Transfer]:
+    """TP, SP and EP traffic: activations of a micro-batch, forward and backward, per layer of this rank's stage."""
+    tokens = setup.tokens_per_micro_batch
+    if not tokens or not facts.hidden_size or not facts.num_layers:
+        return []
+    p = WORKING_BYTES[setup.precision]
+    a = setup.grad_accum
+    h = facts.hidden_size
+    layers = facts.num_layers // layout.pipeline
+    rpn = setup.ranks_per_node
+    transfers = []
+    if layout.tensor > 1:
+        # AutoTP: row-parallel layers (attention output, MLP down) all-reduce their output in the forward pass; each
+        # column-parallel one (q, k, v, gate, up) all-reduces its input's gradient in the backward pass: 7 a layer.
+        # The output layer is column-parallel too: its logits are all-gathered forward, its input gradient reduced.
+        scope = group_scope(layout.tensor, 1, rpn)
+        local = tokens / layout.sequence
+        calls = 7 * layers + 1
+        transfers.append(
+            Transfer(
+                "all_reduce",
+                "tensor parallel: layer outputs forward, input gradients backward",
+                a * calls * local * h * p,
+                a * calls,
+                layout.tensor,
+                scope,
+            )
+        )
+        if facts.vocab_size:
+            transfers.append(
+                Transfer(
+                    "all_gather",
+                    "tensor parallel: the output layer's logits",
+                    a * local * facts.vocab_size / layout.tensor * p,
+                    a,
+                    layout.tensor,
+                    scope,
+                )
+            )
+    if layout.sequence > 1:
+        heads = facts.num_heads or 1
+        head_dim = facts.head_dim or h // heads
+        kv = (facts.num_kv_heads or heads) * head_dim
+        local = tokens / layout.sequence
+        # Forward: q, k, v in, the attention output back; backward the same four the other way.
+        per_layer = local * (h + 2 * kv + h) / layout.tensor
+        transfers.append(
+            Transfer(
+                "all_to_all",
+                "sequence parallel: q, k, v and attention output, forward and backward",
+                a * 2 * layers * per_layer * p,
+                a * 2 * 4 * layers,
+                layout.sequence,
+                group_scope(layout.sequence, layout.tensor, rpn),
+            )
+        )
+    if layout.expert > 1 and facts.num_experts:
+        # Dispatch and combine, forward and backward: top-k copies of each token, padded to the busiest expert.
+        message = setup.moe_top_k * tokens * setup.moe_capacity_factor * h * p
+        transfers.append(
+            Transfer(
+                "all_to_all",
+                "expert parallel: tokens to their experts and back, forward and backward",
+                a * 4 * layers * message,
+                a * 4 * layers,
+                layout.expert,
+                group_scope(layout.expert, layout.tensor, rpn),
+            )
+        )
+    return transfers
+
+
+# --- links: bandwidth and latency -----------------------------------------------------------------------------
+
+GBPS = 1e9 / 8  # bytes/s in one Gbit/s
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link's bus bandwidth per rank (bytes/s) and the fixed cost of one collective call (s)."""
+
+    name: str
+    bus_bytes_per_s: float
+    latency_s: float = 0.0
+    source: str = ""
+
+    def seconds(self, sent_bytes: float, calls: int) -> float:
+        """Seconds for ``calls`` calls that send ``sent_bytes`` in all."""
+        return calls * self.latency_s + sent_bytes / self.bus_bytes_per_s
+
+
+# Link classes: nominal one-direction rates (the guides' figures where they give one: guide 1's PCIe 16-32 GB/s,
+# guide 2's 25 and 100 Gbit/s networks). Real collectives reach less: pass a measured figure when there is one.
+LINK_CLASSES: dict[str, Link] = {
+    "nvlink": Link("nvlink", 300e9, 5e-6, "NVLink 3 (A100): 300 GB/s per GPU per direction, nominal"),
+    "pcie3": Link("pcie3", 16e9, 10e-6, "PCIe 3.0 x16: 16 GB/s (guide 1's low end)"),
+    "pcie4": Link("pcie4", 32e9, 10e-6, "PCIe 4.0 x16: 32 GB/s (guide 1's high end)"),
+    "pcie5": Link("pcie5", 64e9, 10e-6, "PCIe 5.0 x16: 64 GB/s, nominal"),
+    "25gbps": Link("25gbps", 25 * GBPS, 30e-6, "25 Gbit/s Ethernet (guide 2's stage-2 threshold)"),
+    "100gbps": Link("100gbps", 100 * GBPS, 10e-6, "100 Gbit/s InfiniBand (guide 2's 15 % figure)"),
+    "400gbps": Link("400gbps", 400 * GBPS, 10e-6, "400 Gbit/s InfiniBand, nominal"),
+}
+
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(gbps|gbit/s|gb/s|gbyte/s)\s*$", re.I)
+
+
+def parse_link(text: str) -> Link:
+    """A link class (``nvlink``, ``pcie3``/``4``/``5``, ``25gbps``/``100gbps``/``400gbps``) or a figure (``12.5GB/s``
+    in bytes, ``100Gbps`` in bits).
+
+    Raises:
+        ConfigError: an unknown class (naming the nearest) or a rate that is not a positive number.
+    """
+    key = str(text).strip().lower().replace(" ", "").replace(".0", "").replace("-", "")
+    if key in LINK_CLASSES:
+        return LINK_CLASSES[key]
+    match = _RATE_RE.match(str(text))
+    if match:
+        number, unit = float(match.group(1)), match.group(2).lower()
+        rate = number * (GBPS if unit in ("gbps", "gbit/s") else 1e9)
+        if not rate > 0 or math.isinf(rate):
+            raise ConfigError(f"--network {text!r}: a bandwidth must be a positive number")
+        return Link(str(text).strip(), rate, 0.0, f"{text.strip()} given on the command line")
+    if re.match(r"^\s*-", str(text)):
+        raise ConfigError(f"--network {text!r}: a bandwidth must be a positive number, e.g. 12.5GB/s or 100Gbps")
+    raise ConfigError(
+        f"--network: unknown link {text!r}{nearest(key, LINK_CLASSES)}; use one of {', '.join(LINK_CLASSES)} "
+        "or a figure such as 12.5GB/s or 100Gbps"
+    )
+
+
+@dataclass(frozen=True)
+class MeasuredLinks:
+    """Per collective, a link fitted to ``doctor --collectives``'s timings: seconds = latency + bus bytes / rate."""
+
+    world_size: int
+    links: dict[str, Link] = field(default_factory=dict)
+
+
+def fit_link(name: str, rows: list[tuple[float, float]]) -> Link:
+    """Least-squares ``seconds = latency + bytes / rate`` through (bus bytes, seconds) points, latency >= 0."""
+    if len(rows) == 1:
+        sent, seconds = rows[0]
+        return Link(name, sent / seconds, 0.0, "measured (one size)")
+    n = len(rows)
+    mean_x = sum(x for x, _ in rows) / n
+    mean_y = sum(y for _, y in rows) / n
+    var = sum((x - mean_x) ** 2 for x, _ in rows)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in rows) / var if var else 0.0
+    latency = mean_y - slope * mean_x
+    if slope <= 0 or latency < 0:  # noise: fall back to the largest message's bandwidth, no latency
+        sent, seconds = max(rows)
+        return Link(name, sent / seconds, 0.0, "measured (largest size)")
+    return Link(name, 1 / slope, latency, "measured")
+
+
+def links_from_doctor(document: dict[str, Any], world_size: int | None = None) -> MeasuredLinks:
+    """Measured links per collective from the ``doctor.json`` that ``zero-recipes doctor --collectives`` writes.
+
+    Raises:
+        ConfigError: no ``measured`` section (doctor was run without ``--collectives``), or measured over another
+            number of ranks than the plan's ``world_size``.
+    """
+    measured = document.get("measured") if isinstance(document, dict) else None
+    if not isinstance(measured, dict) or not measured.get("collectives"):
+        raise ConfigError(
+            "--bandwidth-from: no measured collectives in this doctor.json: run "
+            "'torchrun --nproc_per_node N -m common.tools.doctor --collectives' first"
+        )
+    ranks = int(measured["world_size"])
+    if world_size is not None and ranks != world_size:
+        raise ConfigError(
+            f"--bandwidth-from: doctor.json measured {ranks} ranks but the plan has {world_size}: a collective's bus "
+            "bandwidth depends on how many ranks share it; measure again with the run's ranks"
+        )
+    points: dict[str, list[tuple[float, float]]] = {}
+    for row in measured["collectives"]:
+        op, size, seconds = row["op"], float(row["bytes"]), float(row["seconds"])
+        if op in BUS_FACTOR and seconds > 0:
+            points.setdefault(op, []).append((size * BUS_FACTOR[op](ranks), seconds))
+    return MeasuredLinks(ranks, {op: fit_link(op, rows) for op, rows in points.items()})
+
+
+def transfer_seconds(transfer: Transfer, link: Link) -> float:
+    """Seconds one step's calls of ``transfer`` take over ``link``."""
+    if transfer.group_size <= 1:
+        return 0.0
+    return link.seconds(transfer.sent_bytes, transfer.calls)
+
+
+def link_for(transfer: Transfer, intra: Link | MeasuredLinks, inter: Link | MeasuredLinks | None) -> Link:
+    """The link a transfer runs on: the network for a group that crosses nodes (the slower link bounds a ring),
+    else the node's; a measured set gives the collective's own fit (all-to-all and point-to-point borrow
+    all-gather's, the collective of the same bus factor)."""
+    chosen = inter if (transfer.scope == "inter_node" and inter is not None) else intra
+    if isinstance(chosen, MeasuredLinks):
+        op = transfer.collective if transfer.collective in chosen.links else "all_gather"
+        return chosen.links[op]
+    return chosen
+
+
+def plan_seconds(plan: CommPlan, intra: Link | MeasuredLinks, inter: Link | MeasuredLinks | None = None) -> float:
+    """Communication seconds of one optimizer step if nothing overlapped: the sum over transfers."""
+    return sum(transfer_seconds(t, link_for(t, intra, inter)) for t in plan.transfers)
+
+
+# --- compute and the share of the step ---------------------------------------------------------------------------
+
+
+def compute_seconds(flops_per_step: float, peak_flops: float, utilisation: float) -> float:
+    """Seconds of compute per optimizer step: the step's FLOPs per rank over the device's dense peak at a utilisation.
+
+    Raises:
+        ConfigError: a peak or utilisation that is not positive, a utilisation above 1.
+    """
+    if not peak_flops > 0:
+        raise ConfigError(f"the device's peak FLOP/s must be positive, got {peak_flops}")
+    if not 0 < utilisation <= 1:
+        raise ConfigError(f"utilisation must be in (0, 1], got {utilisation}")
+    return flops_per_step / (peak_flops * utilisation)
+
+
+def training_flops_per_rank(num_params: float, tokens_per_step_per_rank: float) -> float:
+    """6 x parameters x tokens: forward (2) and backward (4) FLOPs of a dense model (Kaplan et al. 2020)."""
+    return 6.0 * num_params * tokens_per_step_per_rank
+
+
+@dataclass(frozen=True)
+class StepShare:
+    """Communication against compute in one step.
+
+    Attributes:
+        comm_s: communication seconds if nothing overlapped.
+        compute_s: compute seconds.
+        overlappable_s: communication that can run under compute (DeepSpeed's ``overlap_comm``: the gradient
+            reductions and the prefetched all-gathers; what a step must wait for at its edges cannot).
+        exposed_s: communication left on the step's critical path with overlap: ``comm_s - min(overlappable_s,
+            compute_s)``.
+    """
+
+    comm_s: float
+    compute_s: float
+    overlappable_s: float
+
+    @property
+    def exposed_s(self) -> float:
+        """Communication the step waits for with overlap."""
+        return self.comm_s - min(self.overlappable_s, self.compute_s)
+
+    @property
+    def share(self) -> float:
+        """Communication's share of the step without overlap: comm / (comm + compute)."""
+        total = self.comm_s + self.compute_s
+        return self.comm_s / total if total else 0.0
+
+    @property
+    def exposed_share(self) -> float:
+        """The share with overlap: exposed / (exposed + compute)."""
+        total = self.exposed_s + self.compute_s
+        return self.exposed_s / total if total else 0.0
+
+
+# Transfers that cannot hide under compute: the all-gather after the step (nothing left to compute) and the first
+# micro-batch's first gathers; the rest runs beside the backward/forward passes when overlap_comm is on.
+_NOT_OVERLAPPABLE = (AFTER_STEP, EXPERTS_AFTER_STEP, PERSISTENT_AFTER_STEP)
+
+
+def step_share(
+    plan: CommPlan, compute_s: float, intra: Link | MeasuredLinks, inter: Link | MeasuredLinks | None = None
+) -> StepShare:
+    """The communication share of a step, and how much of it overlap can hide under ``compute_s``."""
+    total = overlappable = 0.0
+    for t in plan.transfers:
+        seconds = transfer_seconds(t, link_for(t, intra, inter))
+        total += seconds
+        if t.purpose not in _NOT_OVERLAPPABLE and not t.purpose.startswith(("tensor parallel", "sequence parallel")):
+            overlappable += seconds
+    return StepShare(comm_s=total, compute_s=compute_s, overlappable_s=overlappable)
+
+
+# --- bucket sizes from the link ----------------------------------------------------------------------------------
+
+# A bucket whose transfer takes about this long amortises the call's latency (>= 95 % of the link's rate) and still
+# leaves room to overlap with one layer's compute.
+BUCKET_TARGET_S = 0.005
+
+
+def suggested_bucket_elements(link: Link, precision: str, lo: float = 5e7, hi: float = 2e9) -> int:
+    """``reduce_bucket_size`` / ``allgather_bucket_size`` for a link (guide 1, 4.2: smaller on a slow network,
+    larger on a fast interconnect): the elements one call moves in :data:`BUCKET_TARGET_S`, and at least 20 x the
+    link's latency worth, clamped to [``lo``, ``hi``] (guide 2, 6: 5e8 to 2e9 on fast links)."""
+    seconds = max(BUCKET_TARGET_S, 20 * link.latency_s)
+    elements = seconds * link.bus_bytes_per_s / WORKING_BYTES[precision]
+    return int(min(hi, max(lo, elements)))

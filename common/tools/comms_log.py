@@ -1,0 +1,225 @@
+"""DeepSpeed's communication log of a training run, per optimizer step, for the probe and ``bench/communication.py``.
+
+DeepSpeed counts every collective it calls through ``deepspeed.comm`` when its ``comms_logger`` is on
+(``deepspeed.comm.comm.comms_logger.comms_dict``: per op, per message size, the count and each call's latency) but
+never says which step a call belonged to, and the recipes' factory does not pass a ``comms_logger`` section through
+``ds_overrides``. This module turns the logger on from outside a run and cuts its log at optimizer steps:
+
+    ZR_COMMS_LOG=/tmp/comms PYTHONPATH=<repo>/common/tools/comms_log_site:$PYTHONPATH python recipes/nlp/train.py ...
+
+:func:`comms_log_env` returns those two variables. Every process of the run (Lightning's second rank, each rank an
+Accelerate or torchrun launcher starts) then imports ``sitecustomize`` from that folder, which calls
+:func:`setup_comms_log`: once ``deepspeed.runtime.engine`` is imported, the logger is on (``prof_all``) and each
+optimizer step (``DeepSpeedEngine._take_model_step``, the pipeline engine's too) ends with a snapshot of the counts;
+at exit each rank writes ``rank<N>.json`` into the folder: per step and op, the calls per message size and the
+seconds spent in the op.
+Nothing else changes in the run: the log's cost is a host synchronisation per collective, none on a CPU.
+
+:func:`read_comms_log` reads the folder back; :func:`steady_steps` drops the first step (it gathers parameters to
+record stage 3's trace, and it follows the start-up's broadcasts and first evaluation).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ENV_VAR = "ZR_COMMS_LOG"
+STEPS_VAR = "ZR_COMMS_LOG_STEPS"
+SITE_FOLDER = Path(__file__).resolve().parent / "comms_log_site"
+
+# DeepSpeed's op names in the log, by collective (reduce_scatter_fn logs as reduce_scatter_tensor, allgather_fn as
+# all_gather_into_tensor, all_reduce_coalesced and inference_all_reduce as all_reduce).
+OP_COLLECTIVE = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "inference_all_reduce": "all_reduce",
+    "reduce": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather": "all_gather",
+    "all_to_all_single": "all_to_all",
+    "all_to_all": "all_to_all",
+    "send": "point_to_point",
+    "recv": "point_to_point",
+    "isend": "point_to_point",
+    "irecv": "point_to_point",
+    "batch_isend_irecv": "point_to_point",
+    "broadcast": "broadcast",
+    "barrier": "barrier",
+}
+
+
+def comms_log_env(folder: Path, steps: int | None = None) -> dict[str, str]:
+    """The variables that log a run's communication into ``folder`` (merge them into its environment): for its first
+    ``steps`` optimizer steps only when given, after which DeepSpeed's logger is off again (it synchronises the
+    device after every collective, which would slow a GPU's later steps)."""
+    path = os.pathsep.join(filter(None, [str(SITE_FOLDER), os.environ.get("PYTHONPATH", "")]))
+    env = {ENV_VAR: str(folder), "PYTHONPATH": path}
+    if steps is not None:
+        env[STEPS_VAR] = str(steps)
+    return env
+
+
+def take_snapshot() -> dict[str, tuple[dict[int, int], float]]:
+    """DeepSpeed's log so far: ``{op: ({message bytes: calls}, seconds in the op so far)}``.
+
+    DeepSpeed 0.19 records, for each call, its op timer's running total (``timers(log_name).elapsed(reset=False)``
+    sums every call so far), not the call's own latency: the op's time so far is the largest value it logged.
+    """
+    from deepspeed.comm.comm import comms_logger
+
+    snapshot: dict[str, tuple[dict[int, int], float]] = {}
+    for name, sizes in comms_logger.comms_dict.items():
+        op = name.split(" | ")[0]  # a debug log's "| [Caller Func: ...]" dropped
+        calls, total_ms = snapshot.get(op, ({}, 0.0))
+        for size, record in sizes.items():
+            calls[int(size)] = calls.get(int(size), 0) + record[0]
+            total_ms = max(total_ms, max(record[1]))
+        snapshot[op] = (calls, total_ms)
+    return snapshot
+
+
+def snapshot_difference(before: dict, after: dict) -> dict[str, dict[str, Any]]:
+    """``{op: {"calls": {message bytes: calls}, "seconds": s}}`` between two snapshots (sizes as strings: JSON)."""
+    out: dict[str, dict[str, Any]] = {}
+    for op, (calls, total_ms) in after.items():
+        calls0, total_ms0 = before.get(op, ({}, 0.0))
+        new = {str(size): n - calls0.get(size, 0) for size, n in calls.items() if n > calls0.get(size, 0)}
+        if new:
+            out[op] = {"calls": new, "seconds": (total_ms - total_ms0) / 1e3}
+    return out
+
+
+class _Recorder:
+    def __init__(self, folder: Path, steps: int | None) -> None:
+        self.folder = folder
+        self.steps = steps
+        self.snapshots: list[dict] = []
+        self.rank = 0
+
+    def after_step(self) -> None:
+        import torch.distributed as dist
+        from deepspeed.comm.comm import comms_logger
+
+        if self.steps is not None and len(self.snapshots) >= self.steps:
+            return
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.snapshots.append(take_snapshot())
+        if self.steps is not None and len(self.snapshots) >= self.steps:
+            comms_logger.enabled = False  # the steps after these run as they would without the log
+
+    def write(self) -> None:
+        rank = self.rank
+        steps = [snapshot_difference(a, b) for a, b in zip([{}, *self.snapshots], self.snapshots)]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps}) + "\n")
+
+
+def _patch_engine(module: Any, recorder: _Recorder) -> None:
+    from deepspeed.comm.comm import comms_logger
+
+    comms_logger.enabled = True
+    comms_logger.prof_all = True
+    engine = module.DeepSpeedEngine
+    take_step = engine._take_model_step
+
+    def _take_model_step_logged(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = take_step(self, *args, **kwargs)
+        recorder.after_step()
+        return result
+
+    engine._take_model_step = _take_model_step_logged
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then(module)`` right after ``name`` is imported (this process imports DeepSpeed only if it trains)."""
+
+    def __init__(self, name: str, then: Any) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, then = spec.loader.exec_module, self.then
+
+        def exec_then(module: Any) -> None:
+            exec_module(module)
+            then(module)
+
+        spec.loader.exec_module = exec_then  # type: ignore[method-assign]
+        return spec
+
+
+def setup_comms_log(folder: str | Path, steps: int | None = None) -> None:
+    """Log this process's DeepSpeed collectives per optimizer step into ``folder`` (module docstring), for the first
+    ``steps`` optimizer steps (all when None).
+
+    A process-wide change: DeepSpeed's logger is switched on and ``DeepSpeedEngine._take_model_step`` wrapped, once
+    ``deepspeed.runtime.engine`` is imported (at once if it already is).
+    """
+    recorder = _Recorder(Path(folder), steps)
+    engine_module = "deepspeed.runtime.engine"
+    if engine_module in sys.modules:
+        _patch_engine(sys.modules[engine_module], recorder)
+    else:
+        sys.meta_path.insert(0, _AfterImport(engine_module, lambda m: _patch_engine(m, recorder)))
+    atexit.register(lambda: recorder.write() if recorder.snapshots else None)
+
+
+# --- reading a log back ------------------------------------------------------------------------------------------
+
+
+def read_comms_log(folder: str | Path) -> dict[int, list[dict[str, dict[str, Any]]]]:
+    """``{rank: [step: {op: {"calls": {message bytes: calls}, "seconds": s}}]}`` from a folder
+    :func:`setup_comms_log` wrote."""
+    ranks = {}
+    for path in sorted(Path(folder).glob("rank*.json")):
+        data = json.loads(path.read_text())
+        ranks[int(data["rank"])] = data["steps"]
+    return ranks
+
+
+def steady_steps(steps: list[dict]) -> list[dict]:
+    """The steps after the first (which records stage 3's trace and follows the start-up's collectives)."""
+    return steps[1:]
+
+
+def step_totals(step: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """One step's ``{collective: {"bytes": message bytes, "calls": n, "seconds": s}}`` (barriers left out)."""
+    totals: dict[str, dict[str, float]] = {}
+    for op, logged in step.items():
+        collective = OP_COLLECTIVE.get(op, op)
+        if collective == "barrier":
+            continue
+        entry = totals.setdefault(collective, {"bytes": 0.0, "calls": 0.0, "seconds": 0.0})
+        for size, calls in logged["calls"].items():
+            entry["bytes"] += int(size) * calls
+            entry["calls"] += calls
+        entry["seconds"] += logged["seconds"]
+    return totals
+
+
+def median_step(steps: list[dict]) -> dict[str, dict[str, float]]:
+    """Per collective, the median over ``steps`` of its bytes, calls and seconds per step."""
+    totals = [step_totals(s) for s in steps]
+    names = sorted({name for t in totals for name in t})
+    return {
+        name: {
+            key: statistics.median(t.get(name, {}).get(key, 0.0) for t in totals)
+            for key in ("bytes", "calls", "seconds")
+        }
+        for name in names
+    }

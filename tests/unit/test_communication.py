@@ -1,0 +1,249 @@
+"""The communication account (common/communication.py) against bytes computed here by hand, stage by stage."""
+
+import json
+import math
+
+import pytest
+
+from common.communication import (
+    LINK_CLASSES,
+    CommSetup,
+    Link,
+    Transfer,
+    compute_seconds,
+    forward_numels,
+    links_from_doctor,
+    parse_link,
+    plan_communication,
+    plan_seconds,
+    released_before_backward,
+    setup_from_ds_config,
+    step_share,
+    suggested_bucket_elements,
+)
+from common.errors import ConfigError
+from common.memory_formulas import ModelFacts, ParallelLayout, assumed_transformer
+
+# A model of five parameters in forward order: two matrices of 1000, two norms of 10 and a head of 501 elements.
+NUMELS = (1000, 10, 1000, 10, 501)
+K = sum(NUMELS)  # 2521
+FACTS = ModelFacts(num_params=K, param_numels=NUMELS, hidden_size=8, num_layers=1, num_heads=2)
+TWO = ParallelLayout(world_size=2)
+
+
+def plan(stage: int, layout: ParallelLayout = TWO, facts: ModelFacts = FACTS, **setup):
+    return plan_communication(facts, CommSetup(stage=stage, **setup), layout)
+
+
+def norm_check(p) -> float:
+    """The gradient norm's (and overflow check's) all-reduced scalars: a few bytes, a call or two per step."""
+    return sum(t.message_bytes for t in p.transfers if t.purpose == "gradient norm and overflow check")
+
+
+def test_stage_0_and_1_all_reduce_every_gradient_once_per_step():
+    for stage in (0, 1):
+        p = plan(stage, precision="bf16", grad_accum=4)
+        assert p.message_bytes("all_reduce") - norm_check(p) == 2 * K  # once per step, not per micro-batch
+    # Stage 1 sums a 4-byte norm and a 1-byte overflow flag besides; stage 0 checks neither.
+    assert (norm_check(plan(1, precision="bf16")), norm_check(plan(0))) == (5, 0)
+    # Stage 1 then gathers each rank's partition of the updated parameters: ceil(2521 / 2) = 1261 elements.
+    assert plan(1, precision="bf16").message_bytes("all_gather") == 2 * 1261
+    assert plan(0).message_bytes("all_gather") == 0
+
+
+def test_stage_2_reduces_every_micro_batch():
+    p = plan(2, precision="fp32", grad_accum=3, param_groups=2)
+    assert p.message_bytes("all_reduce") == 3 * 4 * K + 4  # and the fp32 norm (no overflow check in fp32)
+    (gather,) = [t for t in p.transfers if t.collective == "all_gather"]
+    assert (gather.message_bytes, gather.calls) == (4 * 1261, 2)  # one call per parameter group
+
+
+def test_stage_3_gathers_sharded_parameters_every_micro_batch_and_reduce_scatters_every_gradient():
+    # Threshold 0: every parameter gathered; shards padded per parameter: 500 + 5 + 500 + 5 + 251 = 1261.
+    p = plan(3, precision="bf16", grad_accum=2)
+    assert p.message_bytes("all_gather") == 2 * 2 * 1261
+    # Reduce-scatter logs the whole (padded) buffer: 1000 + 10 + 1000 + 10 + 502 = 2522 elements per micro-batch.
+    assert p.message_bytes("reduce_scatter") == 2 * 2 * 2522
+    assert p.message_bytes("all_reduce") == norm_check(p) == 8  # stage 3's norm, in fp64
+
+
+def test_stage_3_persistent_parameters_are_not_gathered_but_their_gradients_are_reduced():
+    p = plan(3, precision="bf16", persistence_threshold=10)
+    forward, after_step = [t for t in p.transfers if t.collective == "all_gather"]
+    assert forward.message_bytes == 2 * (500 + 500 + 251)
+    # Each rank updated its half of the two norms: gathered whole again after the step, one call each.
+    assert (after_step.message_bytes, after_step.calls) == (2 * (5 + 5), 2)
+    assert p.message_bytes("reduce_scatter") == 2 * 2522
+
+
+def test_stage_3_reuse_distance_decides_the_backward_gather():
+    # After the first matrix come 1521 elements: its backward use is 2 x 1521 = 3042 elements ahead.
+    assert released_before_backward(NUMELS, 10, 3042) == [True, False, False, False, False]
+    assert released_before_backward(NUMELS, 10, 3043) == [False] * 5
+    # Distance 0 releases every sharded parameter (the norms persist either way).
+    assert released_before_backward(NUMELS, 10, 0) == [True, False, True, False, True]
+    default = plan(3, persistence_threshold=10, prefetch_bucket_size=0)
+    short = plan(3, persistence_threshold=10, max_reuse_distance=0, prefetch_bucket_size=0)
+    assert short.message_bytes("all_gather") - default.message_bytes("all_gather") == 2 * (500 + 500 + 251)
+
+
+def test_a_prefetch_that_holds_the_whole_model_keeps_it_gathered_whatever_the_reuse_distance():
+    """Measured on the tiny Llama: with prefetch on and stage3_max_live_parameters above the model, each parameter
+    is gathered once a micro-batch even at reuse distance 0; bounded under the model, the reuse distance decides."""
+    on = plan(3, max_reuse_distance=0)  # DeepSpeed's prefetch (5e7) and live bound (1e9) hold 2521 elements
+    bounded = plan(3, max_reuse_distance=0, max_live_parameters=2000)
+    off = plan(3, max_reuse_distance=0, prefetch_bucket_size=0)
+    assert on.message_bytes("all_gather") == 2 * 1261
+    assert bounded.message_bytes("all_gather") == off.message_bytes("all_gather") == 2 * 2 * 1261
+    # Prefetch coalesces the gathers: one call per bucket, not one per parameter.
+    assert on.calls("all_gather") == 1 and off.calls("all_gather") == 2 * 5
+
+
+def test_hpz_gathers_the_backward_pass_inside_the_node():
+    four = ParallelLayout(world_size=4)
+    common = dict(persistence_threshold=10, max_reuse_distance=0, ranks_per_node=2, prefetch_bucket_size=0)
+    plain = plan(3, four, **common)
+    hpz = plan(3, four, hpz_partition_size=2, **common)
+    forward = 2 * (250 + 250 + 126)  # shards over 4 ranks
+    backward_hpz = 2 * (500 + 500 + 251)  # shards over the 2 ranks of the node
+    norms_after_step = 2 * (3 + 3)  # ceil(10 / 4) elements of each norm
+    assert plain.message_bytes("all_gather") == 2 * forward + norms_after_step
+    assert hpz.message_bytes("all_gather") == forward + backward_hpz + norms_after_step
+    # The backward gather moved off the network: 4 ranks over 2 nodes cross it, hpZ's 2 ranks do not.
+    assert hpz.sent_bytes("inter_node") < plain.sent_bytes("inter_node")
+    (backward,) = [t for t in hpz.transfers if "backward" in t.purpose]
+    assert (backward.group_size, backward.scope) == (2, "intra_node")
+    assert backward.sent_bytes == backward_hpz * (2 - 1)  # an all-gather sends its shard to each other rank
+
+
+def test_quantized_weights_and_gradients_shrink_their_collectives():
+    q = plan(3, precision="bf16", quantized_weights=True, quantized_gradients=True)
+    assert q.message_bytes("all_gather") == 1 * 1261  # int8
+    assert q.message_bytes("reduce_scatter") == 0 and q.message_bytes("all_to_all") == 0.5 * 2522
+
+
+def test_sent_bytes_follow_the_bus_convention():
+    n = 8
+    assert Transfer("all_reduce", "", 800, 1, n, "intra_node").sent_bytes == 800 * 2 * 7 / 8
+    assert Transfer("reduce_scatter", "", 800, 1, n, "intra_node").sent_bytes == 800 * 7 / 8
+    assert Transfer("all_gather", "", 100, 1, n, "intra_node").sent_bytes == 100 * 7  # its shard to 7 others
+    assert Transfer("all_gather", "", 100, 1, 1, "intra_node").sent_bytes == 0
+
+
+def test_one_rank_sends_nothing():
+    assert plan(3, ParallelLayout(world_size=1)).transfers == ()
+
+
+def test_seconds_add_latency_and_bytes_over_the_link():
+    link = Link("test", 1e9, 1e-3)
+    p = plan(2, precision="fp32")  # all-reduce 4K bytes in one call, all-gather 4 x 1261 in one call, the norm
+    expected = (1e-3 + 4 * K * 2 * 1 / 2 / 1e9) + (1e-3 + 4 * 1261 * 1 / 1e9) + (1e-3 + 4 * 2 * 1 / 2 / 1e9)
+    assert plan_seconds(p, link) == pytest.approx(expected)
+
+
+def test_the_share_falls_as_the_link_gets_faster_and_as_tokens_grow():
+    facts = assumed_transformer(7_000_000_000)
+    layout = ParallelLayout(world_size=32)
+    p = plan_communication(facts, CommSetup(stage=3, ranks_per_node=8, persistence_threshold=0), layout)
+    shares = []
+    for name in ("25gbps", "100gbps", "400gbps"):
+        compute = compute_seconds(6 * facts.num_params * 4096 / 32 * 32, 312e12, 0.5)
+        shares.append(step_share(p, compute, LINK_CLASSES["nvlink"], LINK_CLASSES[name]).share)
+    assert shares[0] > shares[1] > shares[2]
+    by_tokens = []
+    for tokens in (1024, 4096, 16384):
+        compute = compute_seconds(6 * facts.num_params * tokens, 312e12, 0.5)
+        by_tokens.append(step_share(p, compute, LINK_CLASSES["nvlink"], LINK_CLASSES["100gbps"]).share)
+    assert by_tokens[0] > by_tokens[1] > by_tokens[2]
+
+
+def test_overlap_hides_at_most_the_compute():
+    p = plan(3)
+    link = Link("slow", 1e3)
+    share = step_share(p, 0.001, link)
+    assert share.exposed_s == pytest.approx(share.comm_s - 0.001)
+    assert share.exposed_share < share.share
+
+
+def test_setup_from_a_resolved_config():
+    ds = {
+        "gradient_accumulation_steps": 4,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 2560,
+            "zero_hpz_partition_size": 8,
+            "offload_optimizer": {"device": "cpu"},
+            "reduce_bucket_size": 2e6,
+        },
+    }
+    s = setup_from_ds_config(ds, tokens_per_micro_batch=512)
+    assert (s.stage, s.precision, s.grad_accum, s.offload, s.persistence_threshold) == (3, "bf16", 4, "optimizer", 2560)
+    assert (s.hpz_partition_size, s.reduce_bucket_size, s.tokens_per_micro_batch) == (8, 2e6, 512)
+    # DeepSpeed's defaults where the config is silent.
+    s = setup_from_ds_config({"zero_optimization": {"stage": 3}})
+    assert (s.precision, s.persistence_threshold, s.max_reuse_distance) == ("fp32", 100_000, 1e9)
+
+
+def test_buckets_scale_with_the_link():
+    slow = suggested_bucket_elements(LINK_CLASSES["25gbps"], "bf16")
+    fast = suggested_bucket_elements(LINK_CLASSES["nvlink"], "bf16")
+    assert 5e7 <= slow < fast <= 2e9
+
+
+# --- bad inputs: one line each ------------------------------------------------------------------------------------
+
+
+def test_link_classes_and_figures():
+    assert parse_link("NVLink").name == "nvlink" and parse_link("pcie-4").bus_bytes_per_s == 32e9
+    assert parse_link("100Gbps").bus_bytes_per_s == pytest.approx(12.5e9)
+    assert parse_link("12.5GB/s").bus_bytes_per_s == pytest.approx(12.5e9)
+    with pytest.raises(ConfigError, match="did you mean 'nvlink'"):
+        parse_link("nvlnk")
+    with pytest.raises(ConfigError, match="positive"):
+        parse_link("-5GB/s")
+    with pytest.raises(ConfigError, match="positive"):
+        parse_link("0Gbps")
+
+
+def doctor_json(world: int) -> dict:
+    rows = []
+    for op, factor in (("all_reduce", 2 * (world - 1) / world), ("all_gather", (world - 1) / world)):
+        for size in (65536, 1 << 20, 16 << 20):
+            rows.append({"op": op, "bytes": size, "seconds": 1e-4 + size * factor / 2e9})
+    return {"measured": {"world_size": world, "collectives": rows}}
+
+
+def test_measured_links_from_doctor_fit_latency_and_rate():
+    links = links_from_doctor(json.loads(json.dumps(doctor_json(2))), world_size=2)
+    assert links.links["all_reduce"].bus_bytes_per_s == pytest.approx(2e9)
+    assert links.links["all_gather"].latency_s == pytest.approx(1e-4)
+    with pytest.raises(ConfigError, match="measured 2 ranks but the plan has 8"):
+        links_from_doctor(doctor_json(2), world_size=8)
+    with pytest.raises(ConfigError, match="--collectives"):
+        links_from_doctor({"versions": {}}, world_size=2)
+
+
+def test_bad_setups_are_one_line_errors():
+    for kwargs, match in (
+        ({"stage": 4}, "stage"),
+        ({"stage": 3, "precision": "bf61"}, "did you mean 'bf16'"),
+        ({"stage": 3, "grad_accum": 0}, "grad_accum"),
+        ({"stage": 3, "reduce_bucket_size": -1}, "reduce_bucket_size"),
+    ):
+        with pytest.raises(ConfigError, match=match) as err:
+            CommSetup(**kwargs)
+        assert "\n" not in str(err.value)
+    assert math.isfinite(plan_seconds(plan(3), LINK_CLASSES["pcie3"]))
+
+
+def test_a_bare_parameter_count_gets_a_layer_by_layer_order():
+    """``--params`` lumps the matrices; the reuse distance needs them in order: a 7B model re-gathers its early layers
+    for the backward pass (their next use lies over 1e9 elements ahead) and keeps the last ones gathered."""
+    facts = assumed_transformer(7_000_000_000)
+    numels = forward_numels(facts)
+    assert sum(numels) == pytest.approx(facts.num_params, rel=1e-6) and len(numels) == 9 * facts.num_layers + 3
+    p = plan_communication(facts, CommSetup(stage=3, persistence_threshold=0), ParallelLayout(world_size=8))
+    forward, backward = [t.message_bytes for t in p.transfers if t.collective == "all_gather"]
+    assert 0.5 * forward < backward < forward
+    assert forward_numels(FACTS) == NUMELS  # listed one by one: kept as they are
