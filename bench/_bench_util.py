@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -94,52 +95,138 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def bench_env() -> dict[str, str]:
-    """One intra-op thread per rank, a fresh master port, and the repository importable from bench/ scripts."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "MASTER_PORT": str(free_port())}
+def bench_env(threads_per_rank: int | None = 1) -> dict[str, str]:
+    """One intra-op thread per rank (on a GPU, ``None``: the launcher's and the libraries' own choice, so that
+    DeepSpeedCPUAdam and the data loading use the host's cores), a fresh master port, and the repository importable
+    from bench/ scripts."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "MASTER_PORT": str(free_port())}
+    if threads_per_rank is not None:
+        env["OMP_NUM_THREADS"] = str(threads_per_rank)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(key, None)
     return env
 
 
-def launch_group(
-    script: Path, backend: str, preset: str, script_args: list[str], nproc: int = 2, timeout: float = 900
-) -> None:
-    """Run ``script`` as a process group of ``nproc`` ranks through the backend's own launcher."""
-    env = bench_env()
+KILL_GRACE_S = 10.0  # after SIGTERM, how long a launcher may take to stop its workers before everything is killed
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and every live descendant (torchrun starts each worker in a session of its own, so the
+    launcher's process group does not hold them)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def kill_tree(pid: int, grace_s: float = KILL_GRACE_S) -> None:
+    """Stop ``pid`` and everything it started: SIGTERM to the process group of each of them (a launcher then stops
+    its workers, a worker its own children), then SIGKILL to whatever is left after ``grace_s``.
+
+    The tree is listed before the first signal: a worker whose launcher dies first is re-parented and would no
+    longer be found under it.
+    """
+    tree = process_tree(pid)
+    groups = set()
+    for process in tree:
+        with contextlib.suppress(OSError):
+            groups.add(os.getpgid(process.pid))
+    groups.discard(os.getpgrp())  # never this script's own group (a launch without a session of its own)
+    for signal_number in (signal.SIGTERM, signal.SIGKILL):
+        for group in groups:
+            with contextlib.suppress(OSError):
+                os.killpg(group, signal_number)
+        for process in tree:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(signal_number)
+        _, alive = psutil.wait_procs(tree, timeout=grace_s if signal_number == signal.SIGTERM else 5.0)
+        if not alive:
+            return
+        tree = alive
+
+
+def launch_command(script: Path, backend: str, preset: str, script_args: list[str], nproc: int, port: str) -> list[str]:
+    """The command line that starts ``script`` as ``nproc`` ranks through the backend's own launcher."""
     if backend == "raw":
-        cmd = [
+        return [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--nproc_per_node",
             str(nproc),
             "--master_port",
-            env["MASTER_PORT"],
+            port,
             str(script),
             *script_args,
         ]
-    elif backend == "accelerate":
-        cfg_dir = Path(env.get("TMPDIR", "/tmp")) / f"zr-bench-acc-{os.getpid()}-{preset}"
+    if backend == "accelerate":
+        cfg_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"zr-bench-acc-{os.getpid()}-{preset}"
         ds = resolve_deepspeed_config(
             preset, RunFacts(world_size=nproc, micro_batch_size=8, precision="bf16", hidden_size=256)
         )
         cfg = write_accelerate_files(ds, cfg_dir, num_processes=nproc)
-        cmd = [
+        return [
             sys.executable,
             "-m",
             "accelerate.commands.launch",
             "--config_file",
             str(cfg),
             "--main_process_port",
-            env["MASTER_PORT"],
+            port,
             str(script),
             *script_args,
         ]
-    else:
-        cmd = [sys.executable, str(script), *script_args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return [sys.executable, str(script), *script_args]
+
+
+def run_group(command: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``command`` in a session of its own; past ``timeout`` seconds (or when this script is interrupted) stop it
+    with every process it started (:func:`kill_tree`) and raise ``subprocess.TimeoutExpired`` with what it had
+    printed by then.
+
+    A launcher killed alone leaves its workers running, holding the GPU for the next run.
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env or bench_env(), stdout=out, stderr=err, text=True, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out.seek(0)
+            err.seek(0)
+            printed = out.read(), err.read()  # what it printed by its limit (not the launcher's reaction to the kill)
+            kill_tree(proc.pid)
+            proc.wait()
+            raise subprocess.TimeoutExpired(command, timeout, *printed) from None
+        except BaseException:  # SIGTERM or Ctrl-C of this script: its launch must not outlive it
+            kill_tree(proc.pid)
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read())
+
+
+def launch_group(
+    script: Path,
+    backend: str,
+    preset: str,
+    script_args: list[str],
+    nproc: int = 2,
+    timeout: float = 900,
+    threads_per_rank: int | None = 1,
+) -> None:
+    """Run ``script`` as a process group of ``nproc`` ranks through the backend's own launcher.
+
+    Past ``timeout`` seconds every process of the launch is killed (:func:`run_group`) and
+    ``subprocess.TimeoutExpired`` is raised; a failed launch raises ``RuntimeError`` with the end of its output.
+    ``threads_per_rank`` sets ``OMP_NUM_THREADS`` (None: left to the launcher, as on a GPU).
+    """
+    env = bench_env(threads_per_rank)
+    command = launch_command(script, backend, preset, script_args, nproc, env["MASTER_PORT"])
+    proc = run_group(command, timeout, env)
     if proc.returncode != 0:
         raise RuntimeError(f"{backend} {preset} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 

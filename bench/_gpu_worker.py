@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,11 @@ from common.config import load_config  # noqa: E402
 from common.metrics import gpu_peak_flops, median, mfu, peak_memory_bytes  # noqa: E402
 from nlp.model import flops_per_token, resolve_attention  # noqa: E402
 
+# Tests only: the variant so named sleeps inside its process group instead of training (a hang, on a CPU), beside a
+# child process of its own, so that tests/recipes/test_gpu_bench_limits.py can watch bench/gpu.py kill it with every
+# process of its launch.
+HANG_ENV = "ZERO_RECIPES_TEST_GPU_BENCH_HANG"
+
 
 def main() -> None:
     import deepspeed
@@ -49,6 +55,10 @@ def main() -> None:
     else:
         torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    if os.environ.get(HANG_ENV) == variant["name"]:  # with a child of its own, as a worker's compile or loader has
+        subprocess.Popen(["sleep", "3600"])
+        print(f"{variant['name']}: hanging ({HANG_ENV})", flush=True)
+        time.sleep(3600)
     cfg = load_config(NLPConfig, variant["config"], variant["overrides"])
     config = model_config(cfg, tokenizer=None)
     attention = resolve_attention(cfg.attention, device.type, torch.bfloat16)

@@ -21,6 +21,11 @@ A synchronous DeepSpeed save stops every rank for the whole write (guide 2, 8; D
   is there and only then publishes (``publish_checkpoint``: rename into place, move ``latest``, retention). A crash
   at any point leaves ``latest`` naming the previous complete checkpoint.
 
+On a GPU (written for it, not yet run on one) the copy is the GPU's: a copy into pageable host memory would hold the
+calling thread and serialise with training's stream, so CUDA tensors are copied into pinned host memory, queued by
+the save call itself (:class:`DeviceCopies`: the update-only tensors on a side stream, the others on training's
+stream), and the writer waits for an event after each file's copies before it lets the next update go or writes.
+
 Without a torch optimizer to hook (or with ZeRO's NVMe swapping, which moves the state between saves and steps)
 every tensor is copied in the save call, as before. The writer thread runs only on CPU time nobody else wants
 (:func:`run_when_idle`, ``SCHED_IDLE``): on a host whose cores training keeps busy, the copy and the write take the
@@ -70,7 +75,11 @@ IMMUTABLE_LEAVES = (str, bytes, int, float, complex, type(None), range, torch.dt
 
 
 def snapshot(
-    state: Any, pool: dict | None = None, key: tuple = (), defer: Callable[[torch.Tensor], bool] | None = None
+    state: Any,
+    pool: dict | None = None,
+    key: tuple = (),
+    defer: Callable[[torch.Tensor], bool] | None = None,
+    copy_into: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> tuple[Any, int]:
     """A deep copy of ``state`` with every tensor copied to host memory; and the bytes those copies hold.
 
@@ -88,6 +97,8 @@ def snapshot(
         key: this value's position in the state (for the pool).
         defer: tensors for which it is true are kept by reference, not copied (nor counted): a second
             ``snapshot`` of the result copies them later.
+        copy_into: ``copy_into(source, host)`` copies each tensor (a plain ``copy_`` when None); a CUDA tensor's host
+            tensor is pinned (:func:`host_buffer`), so that the copy can run asynchronously.
     """
     if isinstance(state, torch.Tensor):
         if defer is not None and defer(state):
@@ -95,20 +106,23 @@ def snapshot(
         host = pool.get(key) if pool is not None else None
         if host is state:  # copied by an earlier pass into this very tensor
             return host, host.numel() * host.element_size()
-        if host is None or host.shape != state.shape or host.dtype != state.dtype:
-            host = page_aligned_empty(state)
+        if host is None or not fits(host, state):
+            host = host_buffer(state)
             if pool is not None:
                 pool[key] = host
-        host.copy_(state.detach())
+        if copy_into is None:
+            host.copy_(state.detach())
+        else:
+            copy_into(state, host)
         return host, host.numel() * host.element_size()
     if isinstance(state, dict):
         out, total = copy.copy(state), 0  # a shallow copy keeps the mapping's type (OrderedDict, defaultdict)
         for name, value in state.items():
-            out[name], nbytes = snapshot(value, pool, (*key, name), defer)
+            out[name], nbytes = snapshot(value, pool, (*key, name), defer, copy_into)
             total += nbytes
         return out, total
     if isinstance(state, list | tuple):
-        items = [snapshot(value, pool, (*key, index), defer) for index, value in enumerate(state)]
+        items = [snapshot(value, pool, (*key, index), defer, copy_into) for index, value in enumerate(state)]
         copies, total = [c for c, _ in items], sum(n for _, n in items)
         if isinstance(state, list):
             return copies, total
@@ -118,6 +132,19 @@ def snapshot(
     # Any other object may change in place after the save call, as DeepSpeed's loss scaler does at every step
     # (cur_iter, cur_scale): written later by reference, the file would pair it with the tensors of an earlier step.
     return copy.deepcopy(state), 0
+
+
+def host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized host tensor to copy ``like`` into: pinned (page-locked) for a CUDA tensor, so that the copy
+    runs asynchronously on a stream, by the GPU's copy engine; else :func:`page_aligned_empty`."""
+    if like.is_cuda:
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+    return page_aligned_empty(like)
+
+
+def fits(host: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether a pooled host tensor can take a copy of ``like``: same shape and dtype, and pinned for a CUDA one."""
+    return host.shape == like.shape and host.dtype == like.dtype and (not like.is_cuda or host.is_pinned())
 
 
 def page_aligned_empty(like: torch.Tensor) -> torch.Tensor:
@@ -313,6 +340,14 @@ def any_tensor(state: Any, predicate: Callable[[torch.Tensor], bool]) -> bool:
     return False
 
 
+def tensor_devices(state: Any, cuda_only: bool = False) -> set[torch.device]:
+    """The devices of the tensors anywhere in ``state`` (dicts, lists, tuples), CUDA ones only when asked."""
+    if isinstance(state, torch.Tensor):
+        return {state.device} if state.is_cuda or not cuda_only else set()
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, list | tuple) else ()
+    return set().union(*(tensor_devices(value, cuda_only) for value in values))
+
+
 def fsync_tree(folder: Path) -> None:
     """Flush every file under ``folder`` and the folders themselves to disk.
 
@@ -323,6 +358,49 @@ def fsync_tree(folder: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             fsync_path(path)
     fsync_path(folder)
+
+
+class DeviceCopies:
+    """A save's copies of CUDA tensors into pinned host memory, issued by the save call, finished by the GPU while
+    training goes on (CUDA only; a CPU tensor never comes here).
+
+    A tensor only an optimizer update changes (``lazy``) is copied on a side stream of its own: the side stream first
+    waits for what training has queued (the update that made the state), then the GPU's copy engine moves the bytes
+    while the next forward and backward run on training's stream. Training's stream does not wait for it; the update
+    after it does, through the writer (:meth:`AsyncCheckpointer._before_update`). Any other tensor (a buffer the next
+    forward changes in place, a temporary of the save) is copied on training's own stream, so the next forward is
+    ordered after its copy. :meth:`events` marks the end of each, for the writer to wait on before it reads the
+    host tensors.
+    """
+
+    def __init__(self) -> None:
+        self._side: dict[torch.device, torch.cuda.Stream] = {}
+        self._used: dict[int, torch.cuda.Stream] = {}  # the streams copied on since the last events()
+
+    def begin(self, device: torch.device) -> None:
+        """Before a file's copies: the side stream waits for everything training's stream has queued so far."""
+        if device not in self._side:
+            self._side[device] = torch.cuda.Stream(device=device)
+        self._side[device].wait_stream(torch.cuda.current_stream(device))
+
+    def copy(self, source: torch.Tensor, host: torch.Tensor, lazy: bool) -> None:
+        """Queue ``host.copy_(source)`` (``host`` pinned) on the side stream (``lazy``) or on training's stream."""
+        stream = self._side[source.device] if lazy else torch.cuda.current_stream(source.device)
+        with torch.cuda.stream(stream):
+            host.copy_(source.detach(), non_blocking=True)
+        if lazy:  # the allocator must not hand the source's memory to training before the side stream has read it
+            source.record_stream(stream)
+        self._used[id(stream)] = stream
+
+    def events(self) -> list[torch.cuda.Event]:
+        """One event per stream copied on since the last call, recorded after its last copy."""
+        events = []
+        for stream in self._used.values():
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        self._used.clear()
+        return events
 
 
 def snapshot_engine(checkpointer: AsyncCheckpointer, replaced: Any) -> Any:
@@ -458,6 +536,7 @@ class AsyncCheckpointer(Checkpointer):
         self._write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0"))
         self._copy_delay_s = float(os.environ.get(COPY_DELAY_ENV, "0"))
         self._lazy: set[int] | None = None  # the storages copied after the save call; None: copy everything in it
+        self._device_copies = DeviceCopies()  # CUDA tensors: pinned memory, asynchronous copies
         self._engine: Any = None
         self._hooked: set[int] = set()  # ids of the torch optimizers that wait for the copy before they step
         self._copied = threading.Event()  # the last save's tensors are all in host memory
@@ -504,10 +583,23 @@ class AsyncCheckpointer(Checkpointer):
 
     def enqueue_file(self, state: Any, path: str, zipfile_serialization: bool) -> None:
         # The pool is free to overwrite: save() waited for the previous write before the backend's save called us.
-        lazy = self._lazy
-        defer = (lambda tensor: storage_of(tensor) in lazy) if lazy else None
-        copy, _ = snapshot(state, self._pool, (Path(path).name,), defer)
-        self._queue.put(("file", copy, path, zipfile_serialization))
+        lazy = self._lazy or set()
+        # A CPU tensor that only an update changes is copied by the writer thread later; a CUDA tensor is queued for
+        # the GPU to copy now (DeviceCopies), the update after the save waiting for that copy as for the writer's.
+        defer = (lambda tensor: not tensor.is_cuda and storage_of(tensor) in lazy) if lazy else None
+        for device in tensor_devices(state, cuda_only=True):
+            self._device_copies.begin(device)
+        copy, _ = snapshot(state, self._pool, (Path(path).name,), defer, self._copy_into)
+        events = self._device_copies.events()
+        self._queue.put(("file", copy, path, zipfile_serialization, events))
+
+    def _copy_into(self, source: torch.Tensor, host: torch.Tensor) -> None:
+        """The save call's copy of one tensor: through :class:`DeviceCopies` from a GPU, a plain copy on a CPU."""
+        if source.is_cuda:
+            lazy = self._lazy is not None and storage_of(source) in self._lazy
+            self._device_copies.copy(source, host, lazy)
+        else:
+            host.copy_(source.detach())
 
     def _before_update(self, *_: Any) -> None:
         """Before the torch optimizer's step: wait until the last save's tensors are in host memory (counted as
@@ -559,10 +651,12 @@ class AsyncCheckpointer(Checkpointer):
             self._files.append(item[1:])
             return
         _, step, folder, snapshotted_at = item
-        for index, (state, path, zipfile_serialization) in enumerate(self._files):
+        for index, (state, path, zipfile_serialization, events) in enumerate(self._files):
             time.sleep(self._copy_delay_s)
             state, nbytes = snapshot(state, self._pool, (Path(path).name,))  # what the save call left by reference
             self._pending_bytes += nbytes
+            for event in events:  # the GPU's copies of this file, queued by the save call, are in host memory
+                event.synchronize()
             self._files[index] = (state, path, zipfile_serialization)
         self.snapshot_bytes = max(self.snapshot_bytes, self._pending_bytes)
         self._copied.set()  # the optimizer may change the live tensors from here on

@@ -6,8 +6,9 @@ already records and checks most of what is needed; this module arms it, collects
 processes exit, and compares it. What covers what (docs/troubleshooting.md, "When a run hangs"):
 
 - torch's flight recorder (on by default in torch 2.13; ``TORCH_FR_BUFFER_SIZE``): every collective a rank
-  issued, with its sequence number, op, shapes and dtypes, on gloo and NCCL. On NCCL torch also dumps it itself
-  when a collective times out (``TORCH_FR_DUMP_TEMP_FILE``).
+  issued, with its sequence number, op, shapes and dtypes, on gloo and NCCL. NCCL's process groups record into a
+  recorder of their own, so a report reads the one that matches the backend (:func:`flight_recorder_dumps`). On
+  NCCL torch also dumps it itself when a collective times out (``TORCH_FR_DUMP_TEMP_FILE``).
 - the process group's own timeout (``collective_timeout_s``, passed by the factory): on gloo a stalled collective
   raises on the waiting ranks; on NCCL torch's watchdog aborts the process.
 - ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (opt-in: extra collectives before each one, measured by bench/hang_overhead.py):
@@ -143,15 +144,67 @@ def first_line(exception: BaseException) -> str:
 # --- what a rank knows about itself --------------------------------------------------------------------------
 
 
-def flight_recorder_entries() -> tuple[list[dict[str, Any]], dict[str, Any], str | None]:
-    """(entries, per-group status, why not) from torch's flight recorder of this process."""
+# Torch keeps two flight recorders: NCCL process groups record into NCCL's own (dumped by ``_dump_nccl_trace_json``,
+# compiled into CUDA builds only), every other backend (gloo) into the generic one (``_dump_fr_trace_json``).
+NCCL_DUMP = "_dump_nccl_trace_json"
+GENERIC_DUMP = "_dump_fr_trace_json"
+
+
+def flight_recorder_dumps(backend: str) -> tuple[str, ...]:
+    """The dump functions that hold the collectives of a run whose default process group has ``backend``.
+
+    Args:
+        backend: ``dist.get_backend()``: ``"nccl"``, ``"gloo"``, or one backend per device (``"cpu:gloo,cuda:nccl"``).
+
+    Returns:
+        NCCL's recorder first when the backend is NCCL, then the generic one, which also holds the gloo groups a
+        NCCL run creates beside it (DeepSpeed's and the checkpoint writer's CPU groups); the generic one alone
+        otherwise.
+    """
+    return (NCCL_DUMP, GENERIC_DUMP) if "nccl" in backend.lower() else (GENERIC_DUMP,)
+
+
+def default_backend() -> str:
+    """The default process group's backend; ``"gloo"`` before one exists (a report written that early)."""
     try:
-        dump = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False))
-    except (AttributeError, RuntimeError, ValueError) as err:
-        return [], {}, f"flight recorder not readable: {err}"
-    if "entries" not in dump:
-        return [], dump.get("pg_status", {}), "flight recorder off (TORCH_FR_BUFFER_SIZE=0)"
-    return dump["entries"], dump.get("pg_status", {}), None
+        return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "gloo"
+    except (RuntimeError, ValueError):
+        return "gloo"
+
+
+def flight_recorder_entries(
+    backend: str | None = None, c10d: Any = None
+) -> tuple[list[dict[str, Any]], dict[str, Any], str | None]:
+    """(entries, per-group status, why not) from torch's flight recorder(s) of this process for ``backend``.
+
+    Args:
+        backend: the default process group's backend (:func:`default_backend` when None).
+        c10d: where the dump functions are (``torch._C._distributed_c10d`` when None).
+
+    Returns:
+        The entries of every recorder :func:`flight_recorder_dumps` names, in that order; the status of each
+        process group; None when every recorder was read, else why one (or all) could not be.
+    """
+    c10d = torch._C._distributed_c10d if c10d is None else c10d
+    entries: list[dict[str, Any]] = []
+    status: dict[str, Any] = {}
+    notes = []
+    for name in flight_recorder_dumps(backend or default_backend()):
+        dump_json = getattr(c10d, name, None)
+        if dump_json is None:  # NCCL's recorder on a CPU build of torch
+            notes.append(f"{name} not in this torch build")
+            continue
+        try:
+            dump = json.loads(dump_json(True, False))
+        except (RuntimeError, TypeError, ValueError) as err:
+            notes.append(f"{name} not readable: {err}")
+            continue
+        status.update(dump.get("pg_status", {}))
+        if "entries" not in dump:
+            notes.append(f"{name}: flight recorder off (TORCH_FR_BUFFER_SIZE=0)")
+            continue
+        entries += dump["entries"]
+    return entries, status, "; ".join(notes) or None
 
 
 def compact_collectives(entries: list[dict[str, Any]], kept: int = COLLECTIVES_KEPT) -> list[dict[str, Any]]:

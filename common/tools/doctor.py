@@ -290,25 +290,43 @@ def _free_disk(path: Path) -> int | None:
         return None
 
 
+# nvidia-smi's fields, in the order parse_pcie_query reads them. The link's maximum generation is what decides the
+# advice: an idle GPU trains its link down (an H200 at rest reports gen 1), so the current one says how busy the
+# GPU is, not what it can move.
+PCIE_QUERY = ("index", "pcie.link.gen.current", "pcie.link.gen.max", "pcie.link.width.current", "pcie.link.width.max")
+PCIE_KEYS = ("pcie_gen_current", "pcie_gen_max", "pcie_width_current", "pcie_width_max")
+
+
+def parse_pcie_query(text: str, gpu_count: int) -> dict[int, dict[str, str]]:
+    """GPU index -> its PCIe fields (:data:`PCIE_KEYS`), from ``nvidia-smi --query-gpu`` of :data:`PCIE_QUERY` in
+    ``csv,noheader,nounits`` form; rows of an unknown index or another shape are left out, cells kept as text
+    (``[N/A]`` where a virtual machine hides the link)."""
+    links = {}
+    for line in text.strip().splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) == len(PCIE_QUERY) and cells[0].isdigit() and int(cells[0]) < gpu_count:
+            links[int(cells[0])] = dict(zip(PCIE_KEYS, cells[1:]))
+    return links
+
+
+def pcie_text(gpu: dict[str, Any]) -> str:
+    """``gen 5 x16 (now gen 1 x16)``: the link's maximum, and what it runs at while the doctor looks."""
+    best = f"gen {gpu.get('pcie_gen_max', '?')} x{gpu.get('pcie_width_max', '?')}"
+    now = f"gen {gpu.get('pcie_gen_current', '?')} x{gpu.get('pcie_width_current', '?')}"
+    return best if now == best else f"{best} (now {now})"
+
+
 def gpu_facts() -> list[dict[str, Any]]:
-    """Per GPU: name, memory, PCIe generation and width (nvidia-smi where present)."""
+    """Per GPU: name, memory, PCIe generation and width, maximum and current (nvidia-smi where present)."""
     if not torch.cuda.is_available():
         return []
     gpus = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
         gpus.append({"index": index, "name": props.name, "memory_bytes": props.total_memory})
-    query = _run(
-        [
-            "nvidia-smi",
-            "--query-gpu=index,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current",
-            "--format=csv,noheader,nounits",
-        ]
-    )
-    for line in (query or "").strip().splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) == 4 and cells[0].isdigit() and int(cells[0]) < len(gpus):
-            gpus[int(cells[0])].update(pcie_gen=cells[1], pcie_gen_max=cells[2], pcie_width=cells[3])
+    query = _run(["nvidia-smi", f"--query-gpu={','.join(PCIE_QUERY)}", "--format=csv,noheader,nounits"])
+    for index, link in parse_pcie_query(query or "", len(gpus)).items():
+        gpus[index].update(link)
     return gpus
 
 
@@ -356,13 +374,13 @@ def hardware_facts(checkpoint_path: Path) -> dict[str, Any]:
 def hardware_checks(hardware: dict[str, Any]) -> list[Check]:
     checks = []
     for gpu in hardware["gpus"]:
-        gen = gpu.get("pcie_gen")
+        gen = gpu.get("pcie_gen_max")  # not the current one, which an idle GPU drops to gen 1
         if gen and gen.isdigit() and int(gen) < 4:
             checks.append(
                 Check(
                     "pcie-3-zero3",
                     "warning",
-                    f"GPU {gpu['index']} runs at PCIe gen {gen} x{gpu.get('pcie_width', '?')}: ZeRO-3 on PCIe 3.0 "
+                    f"GPU {gpu['index']}'s link reaches PCIe {pcie_text(gpu)} at most: ZeRO-3 on PCIe 3.0 "
                     "spends over half its time communicating",
                     "prefer ZeRO-2 (preset=deepspeed_stage_2) or a PCIe 4.0+ / NVLink machine",
                     "guide 2, 6",
@@ -604,7 +622,7 @@ def render_report(report: dict[str, Any]) -> str:
         *[
             (
                 f"gpu {g['index']}",
-                f"{g['name']}, {_gb(g['memory_bytes'])}, PCIe gen {g.get('pcie_gen', '?')} x{g.get('pcie_width', '?')}",
+                f"{g['name']}, {_gb(g['memory_bytes'])}, PCIe {pcie_text(g)}",
             )
             for g in hw["gpus"]
         ],

@@ -9,12 +9,20 @@ the fp32 partitions and the moments. The copy is slowed by ``ZERO_RECIPES_TEST_C
 sets it), so it is still pending when that step runs. Then every tensor of both checkpoints is compared.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/lazy_snapshot_worker.py --out OUT
+
+On a GPU (NCCL, one process per GPU) the model trains there and the snapshot takes the CUDA path: pinned host
+memory, the update-only tensors copied on a side stream; each rank also reports the side streams it used and the
+pinned bytes it holds, and prints one line per stage. On one GPU:
+
+    ZERO_RECIPES_TEST_CHECKPOINT_COPY_DELAY_S=0.5 python3 -m torch.distributed.run --nproc_per_node 1 \
+        tests/distributed/lazy_snapshot_worker.py --out OUT
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import deepspeed
@@ -40,7 +48,7 @@ class Net(nn.Module):
 
 
 def train_step(engine, generator: torch.Generator) -> None:
-    x = torch.randn(4, 16, generator=generator)
+    x = torch.randn(4, 16, generator=generator).to(engine.device)
     loss = torch.nn.functional.mse_loss(engine(x), x.sum(dim=1, keepdim=True))
     engine.backward(loss)
     engine.step()
@@ -96,11 +104,14 @@ def check_stage(stage: int, out: Path, rank: int, world: int) -> dict:
         out / f"stage{stage}-sync" / "checkpoints" / "step_000002",
         out / f"stage{stage}-async" / "checkpoints" / "step_000002",
     )
+    pinned = [t for t in checkpointer._pool.values() if t.is_pinned()] if torch.cuda.is_available() else []
     return {
         "lazy_storages": lazy_storages,
         "update_waits": len(checkpointer.update_wait_s),
         "compared": compared,
         "differing": differing,
+        "side_streams": len(checkpointer._device_copies._side),
+        "pinned_bytes": sum(t.numel() * t.element_size() for t in pinned),
     }
 
 
@@ -108,10 +119,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     record = {f"stage{stage}": check_stage(stage, args.out, rank, world) for stage in STAGES}
     (args.out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    for stage, facts in record.items():
+        print(f"rank {rank} {stage} ({'cuda' if on_gpu else 'cpu'}): {json.dumps(facts)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def test_gpu_driver_refuses_an_unknown_variant_with_one_line(tmp_path):
     assert proc.stderr.strip() == (
         "error: unknown variant 'stage9' (did you mean 'stage3'?); valid: stage0, stage1, stage2, stage3, "
         "stage3_offload, stage3_zeropp, stage3_nvme, stage2_bf16_states, sdpa, ac_none, ac_full, "
-        "ac_every_k, long, long_tiled, long_sp2, long_tiled_offload"
+        "ac_every_k, long, long_tiled, long_sp2, long_tiled_offload, recipe_async_save, doctor"
     )
     assert not (tmp_path / "x.md").exists()
 

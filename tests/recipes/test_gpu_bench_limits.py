@@ -1,0 +1,207 @@
+"""bench/gpu.py under its limits, in CPU mode: a hung variant is killed with every process of its launch, and the
+rows written before it survive, whether the variant runs out of time or the whole bench is terminated.
+
+The hang is real: the worker of the variant named in ``ZERO_RECIPES_TEST_GPU_BENCH_HANG`` starts a child process
+and sleeps, after it has joined its process group, under torchrun, which starts each worker in a session of its own
+(so killing torchrun alone leaves both running). Every process the bench starts inherits a marker in its
+environment; the tests look for live ones in /proc, watch the results file while the hung variant is still running,
+and read the rows when the bench is done.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from _util import PYTHON, REPO, subprocess_env
+
+sys.path.insert(0, str(REPO / "bench"))
+from _bench_util import read_results  # noqa: E402
+
+MARKER = "ZR_GPU_BENCH_TEST_RUN"
+HANG_ENV = "ZERO_RECIPES_TEST_GPU_BENCH_HANG"  # bench/_gpu_worker.py's (importing it would import the recipe)
+START_UP_S = 240  # a variant's imports and DeepSpeed set-up on a loaded 2-core machine
+GONE_WITHIN_S = 30  # after the bench returns, no process of it may be left
+
+
+def marked(run_id: str) -> list[tuple[int, str]]:
+    """(pid, command line) of live processes started for this run (each inherits the marker in its environment)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().split(")")[-1].split()[0]
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"{MARKER}={run_id}".encode() in environ and state != "Z":
+            found.append((int(proc.name), cmdline))
+    return found
+
+
+def session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:  # gone since /proc was read
+        return None
+
+
+def hung_worker(run_id: str, variant: str) -> int | None:
+    """The pid of the variant's worker once it hangs (torchrun's child, in a session of its own, with its own child
+    started), else None."""
+    processes = marked(run_id)
+    children = {session_of(child) for child, command in processes if command.startswith("sleep 3600")}
+    for pid, cmdline in processes:
+        worker = "_gpu_worker.py" in cmdline and f'"name": "{variant}"' in cmdline and session_of(pid) == pid
+        if worker and pid in children:
+            return pid
+    return None
+
+
+def start_bench(tmp_path: Path, variants: str, timeout_s: float, hang: str) -> tuple[subprocess.Popen, str, Path]:
+    run_id, results = uuid.uuid4().hex, tmp_path / "gpu.json"
+    args = ["--cpu", "--variants", variants, "--variant-timeout-s", str(timeout_s)]
+    args += ["--json", str(results), "--doc", str(tmp_path / "benchmarks_gpu.md")]
+    env = subprocess_env(**{MARKER: run_id, HANG_ENV: hang})
+    proc = subprocess.Popen(
+        [PYTHON, "bench/gpu.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    return proc, run_id, results
+
+
+def wait_for_worker(proc: subprocess.Popen, run_id: str, variant: str) -> int:
+    deadline = time.monotonic() + START_UP_S
+    while (pid := hung_worker(run_id, variant)) is None:
+        assert proc.poll() is None, f"the bench ended before {variant} ran:\n{proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"{variant}'s worker never started"
+        time.sleep(0.5)
+    return pid
+
+
+def assert_nothing_left(run_id: str) -> None:
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while (left := marked(run_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid, _ in left:  # do not leave them to the rest of the suite, then fail
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left running: {left}"
+
+
+@pytest.mark.slow
+def test_a_variant_past_its_limit_is_killed_with_its_workers_and_the_rows_before_it_stay(tmp_path):
+    proc, run_id, results = start_bench(tmp_path, "stage0,stage3", timeout_s=60, hang="stage3")
+    try:
+        wait_for_worker(proc, run_id, "stage3")
+        # stage3 hangs: stage0's row is already in the results file, with its provenance
+        _, written = read_results(results)
+        assert [r["name"] for r in written["variants"]] == ["stage0"] and "error" not in written["variants"][0]
+        output = proc.communicate(timeout=START_UP_S)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert_nothing_left(run_id)
+    stage0, stage3 = read_results(results)[1]["variants"]
+    assert stage0["tokens_per_s"] > 0
+    assert stage3["error"].startswith("timed out after 60 s, every process killed; last output:"), stage3
+    assert f"hanging ({HANG_ENV})" in stage3["error"]
+    assert "| stage3 | did not run: `timed out after 60 s" in (tmp_path / "benchmarks_gpu.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_terminated_bench_kills_the_running_variant_and_keeps_the_rows(tmp_path):
+    proc, run_id, results = start_bench(tmp_path, "stage3,stage0", timeout_s=START_UP_S, hang="stage3")
+    try:
+        wait_for_worker(proc, run_id, "stage3")
+        proc.send_signal(signal.SIGTERM)  # as `timeout` or the device's own limit would
+        output = proc.communicate(timeout=GONE_WITHIN_S)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output[-3000:]
+    assert_nothing_left(run_id)
+    provenance, written = read_results(results)
+    assert provenance["command"].startswith("python bench/gpu.py --cpu --variants stage3,stage0")
+    assert written["planned"] == ["stage3", "stage0"]
+    assert written["variants"] == [{"name": "stage3", "error": "stopped: the bench was terminated (SIGTERM) during it"}]
+    text = (tmp_path / "benchmarks_gpu.md").read_text()
+    assert "Never reported (the run stopped before them): stage0." in text
+
+
+def test_the_doc_renders_a_partial_run_with_the_recipe_and_doctor_rows():
+    """render_sections on a results file a first run might leave: a step row, the recipe's and the doctor's rows,
+    a variant that never reported."""
+    from gpu import render_sections
+
+    step = {
+        "name": "stage0",
+        "stage": 0,
+        "attention_used": "sdpa",
+        "activation_checkpointing": "selective",
+        "tokens_per_s": 9000.0,
+        "mfu": 0.41,
+        "peak_memory_bytes": 40 * 2**30,
+        "memory_kind": "gpu_max_allocated",
+        "median_step_s": 0.9,
+        "device": "NVIDIA H200",
+    }
+    recipe = {
+        "name": "recipe_async_save",
+        "kind": "recipe",
+        "command": "python recipes/nlp/train.py ...",
+        "steps": 10,
+        "zero_stage": 3,
+        "saves": [{"step": 5, "blocked_s": 1.8}, {"step": 10, "blocked_s": 0.45}],
+        "latest": "step_000010",
+        "median_step_s": 0.9,
+        "tokens_per_s": 9100.0,
+        "mfu": 0.4,
+        "peak_memory_bytes": 30 * 2**30,
+        "memory_kind": "gpu_max_allocated",
+        "val_loss_ratio": 0.99,
+        "wall_s": 120.0,
+    }
+    gpu = {"index": 0, "name": "NVIDIA H200", "pcie_gen_max": "5", "pcie_width_max": "16"}
+    gpu |= {"pcie_gen_current": "1", "pcie_width_current": "16"}
+    doctor = {
+        "name": "doctor",
+        "kind": "doctor",
+        "accelerator": "1 GPU(s)",
+        "gpus": [gpu],
+        "versions": {"torch": "2.11.0", "cuda": "13.0", "nccl": "2.27", "deepspeed": "0.19.8"},
+        "findings": [{"check_id": "nccl-timeout", "severity": "info"}],
+    }
+    run = {"config": "recipes/nlp/configs/llama_1b.yaml", "overrides": ["micro_batch_size=4"], "steps": 10, "warmup": 3}
+    results = {"mode": "gpu", "run": run, "planned": ["doctor", "stage0", "recipe_async_save", "long"]}
+    results["variants"] = [doctor, step, recipe]
+    body = render_sections({"results": results})["gpu"]
+    assert "| stage0 | 0 | sdpa | selective | 9000 | 41.0 % | 40.00 GiB (gpu_max_allocated) | 900 |" in body
+    assert "Training waited, per save: step 5: 1.80 s (2.0 steps), step 10: 0.45 s (0.5 steps)" in body
+    assert "GPU 0 NVIDIA H200, PCIe gen 5 x16 (now gen 1 x16)" in body and "info `nccl-timeout`" in body
+    assert "Never reported (the run stopped before them): long." in body
+    assert "recipe_async_save |" not in body and "doctor |" not in body  # not rows of the step table
+
+
+def test_the_script_finds_python3_and_says_how_to_install_a_deepspeed_that_does_not_import(tmp_path):
+    """A machine with a ``python`` that has no torch, a ``python3`` that has, and DeepSpeed missing a dependency."""
+    bin_dir, site = tmp_path / "bin", tmp_path / "site"
+    (site / "deepspeed").mkdir(parents=True)
+    (site / "deepspeed" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'hjson'\")\n")
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text("#!/bin/sh\necho 'No module named torch' >&2\nexit 1\n")
+    (bin_dir / "python").chmod(0o755)
+    (bin_dir / "python3").symlink_to(PYTHON)
+    env = {**subprocess_env(), "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": f"{site}:{REPO}"}
+    proc = subprocess.run(["bash", "bench/gpu.sh", "--cpu"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    first, hint = proc.stderr.strip().splitlines()
+    assert first == "error: DeepSpeed does not import with python3: ModuleNotFoundError: No module named 'hjson'"
+    assert hint.startswith("  install it: python3 -m pip install 'deepspeed>=0.16,<0.20'")
