@@ -48,6 +48,10 @@ def git_commit() -> str:
             ["git", "diff", "--quiet", "HEAD", "--", ".", *outputs], cwd=REPO, capture_output=True
         ).returncode
     except (OSError, subprocess.CalledProcessError):
+        # A copy of a clean checkout without its .git (a machine the tree was sent to): the sender names the commit.
+        sent = os.environ.get("ZR_GIT_COMMIT", "")
+        if re.fullmatch(r"[0-9a-f]{40}", sent):
+            return sent
         return "unknown (not a git checkout)"
     return head + ("-dirty" if dirty else "")
 
