@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -459,9 +460,20 @@ def load_checkpoint(folder: str | Path, model: torch.nn.Module, optimizer: torch
     checkpoint written by 2 ranks loads on 1 or on 4. Every rank calls it.
     """
     state = training_state(model, optimizer)
+    del state["extra"]  # DCP fills only the keys it is given, and extra's are not known here: read apart below
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    return state["extra"]
+    return _read_part(folder, "extra")
+
+
+def _read_part(folder: str | Path, part: str) -> Any:
+    """One top-level part of a DCP checkpoint, whole, read by this process alone (no collective)."""
+    # The loader under dcp.load, as torch's own dcp_to_torch_save calls it: dcp.load hands back only the keys it was
+    # given, and a reader that rebuilds the state from the checkpoint's metadata starts from none.
+    state: dict[str, Any] = {}
+    planner = _EmptyStateDictLoadPlanner(keys={part})
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(folder)), planner=planner, no_dist=True)
+    return state.get(part, {})
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -481,9 +493,7 @@ def consolidate_checkpoint(folder: str | Path) -> dict[str, torch.Tensor]:
     Reads only the ``model`` part (not the optimizer's moments) and rebuilds each tensor from the shards every rank
     wrote. The keys are the module's own parameter names, as ``save_pretrained`` wants them.
     """
-    state: dict[str, Any] = {}
-    dcp.load(state, checkpoint_id=str(folder), planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
-    return state["model"]
+    return _read_part(folder, "model")
 
 
 # --- accounting ---------------------------------------------------------------------------------------------------
