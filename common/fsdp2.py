@@ -487,13 +487,35 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     return state if not dist.is_initialized() or dist.get_rank() == 0 else None
 
 
-def consolidate_checkpoint(folder: str | Path) -> dict[str, torch.Tensor]:
+def consolidate_checkpoint(folder: str | Path, part: str = "model") -> dict[str, torch.Tensor]:
     """Whole weights from a DCP checkpoint folder, in one process without a process group (``zero-recipes export``).
 
-    Reads only the ``model`` part (not the optimizer's moments) and rebuilds each tensor from the shards every rank
-    wrote. The keys are the module's own parameter names, as ``save_pretrained`` wants them.
+    Reads only the weights (not the optimizer's moments) and rebuilds each tensor from the shards every rank wrote.
+
+    Args:
+        folder: the checkpoint folder (the one holding DCP's ``.metadata``).
+        part: the top-level key the weights were saved under: ``model`` for :func:`dcp_write` and for Accelerate's
+            ``save_state`` (its ``pytorch_model_fsdp_0`` folder), ``state_dict`` for Lightning's
+            ``ModelParallelStrategy`` (names prefixed by the LightningModule's attribute, ``model.``).
+
+    Returns:
+        ``{name: tensor}`` on the CPU, in the dtype the shards were saved in.
+
+    Raises:
+        ConfigError: the folder is not a DCP checkpoint, or holds no ``part``.
     """
-    return _read_part(folder, "model")
+    if not (Path(folder) / ".metadata").is_file():
+        raise ConfigError(f"{folder} is not a torch.distributed.checkpoint folder (no .metadata in it)")
+    weights = _read_part(folder, part)
+    if not weights:
+        raise ConfigError(f"{folder} holds no {part!r} part; saved parts: {', '.join(checkpoint_parts(folder))}")
+    return weights
+
+
+def checkpoint_parts(folder: str | Path) -> list[str]:
+    """The top-level keys a DCP checkpoint was saved with (``model``, ``optimizer``, ``extra`` ...)."""
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    return sorted({path[0] for path in (metadata.planner_data or {}).values()})
 
 
 # --- accounting ---------------------------------------------------------------------------------------------------

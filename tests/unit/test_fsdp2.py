@@ -11,10 +11,15 @@ from common.fsdp2 import (
     ZERO_ONLY_FEATURES,
     accelerate_fsdp2_config,
     accelerator_fsdp2_kwargs,
+    checkpoint_parts,
+    consolidate_checkpoint,
+    dcp_write,
     get_fsdp2_preset,
     is_fsdp2_preset,
     lightning_fsdp2_trainer_kwargs,
+    load_checkpoint,
     mixed_precision_policy,
+    model_state_bytes,
     refuse_zero_only_features,
 )
 from common.presets import PRESETS
@@ -106,3 +111,48 @@ def test_the_launch_config_names_fsdp_version_2():
         "fsdp_reshard_after_forward": True,
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
     }
+
+
+def trained_linear(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def test_a_checkpoint_round_trips_model_optimizer_and_extra_state(tmp_path):
+    # One process, no process group: DCP reads and writes the same folders as it does sharded (the 2-, 1- and
+    # 4-process runs are tests/distributed/test_fsdp2_checkpoint.py).
+    model, optimizer = trained_linear(0)
+    dcp_write(model, optimizer, {"step": 7, "scheduler": {"last_epoch": 7}})(tmp_path / "ckpt")
+    other, other_optimizer = trained_linear(1)
+    extra = load_checkpoint(tmp_path / "ckpt", other, other_optimizer)
+    assert extra == {"step": 7, "scheduler": {"last_epoch": 7}}
+    for name, value in model.state_dict().items():
+        assert torch.equal(other.state_dict()[name], value), name
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(other_optimizer.state[other.weight][key], optimizer.state[model.weight][key]), key
+
+
+def test_consolidation_reads_the_weights_alone_and_says_what_a_folder_holds(tmp_path):
+    model, optimizer = trained_linear(0)
+    dcp_write(model, optimizer, {"step": 1})(tmp_path / "ckpt")
+    weights = consolidate_checkpoint(tmp_path / "ckpt")
+    assert sorted(weights) == ["bias", "weight"] and torch.equal(weights["weight"], model.weight.detach())
+    assert checkpoint_parts(tmp_path / "ckpt") == ["extra", "model", "optimizer"]
+    with pytest.raises(ConfigError, match=r"no 'state_dict' part; saved parts: extra, model, optimizer"):
+        consolidate_checkpoint(tmp_path / "ckpt", part="state_dict")
+    with pytest.raises(ConfigError, match="not a torch.distributed.checkpoint folder"):
+        consolidate_checkpoint(tmp_path)
+
+
+def test_model_state_bytes_count_what_the_tensors_hold():
+    model, optimizer = trained_linear(0)
+    num_params = sum(p.numel() for p in model.parameters())
+    state = model_state_bytes(model, optimizer)
+    assert (state["params"], state["grads"], state["optimizer"]) == (4 * num_params, 0, 8 * num_params)
+    model(torch.randn(2, 4)).sum().backward()
+    assert model_state_bytes(model, optimizer)["grads"] == 4 * num_params
