@@ -10,10 +10,12 @@ two useful settings map onto two ZeRO stages:
   (``reshard_after_forward=False``), one all-gather per step instead of two: ZeRO-2's counterpart (FSDP1 called it
   ``SHARD_GRAD_OP``). Between steps the parameters are sharded too, where ZeRO-2 keeps a whole 16-bit copy.
 
-The precision contract is DeepSpeed's bf16 one: fp32 master weights (the sharded parameters FSDP2 keeps), bf16
-compute (each block's weights cast to bf16 as they are gathered) and fp32 gradient reduction: FSDP2's
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (:func:`mixed_precision_policy`). The front-ends' own
-mixed precision stays off (Lightning ``32-true``, Accelerate ``"no"``): their autocast on top would cast again.
+The precision contract: fp32 master weights (the sharded parameters FSDP2 keeps), bf16 compute (each block's weights
+cast to bf16 as they are gathered) and fp32 gradient reduction: FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (:func:`mixed_precision_policy`). DeepSpeed's bf16 differs
+in one place: its gradient reduction follows the training dtype (``communication_data_type`` defaults to bf16) unless
+the config sets ``communication_data_type: fp32``. The front-ends' own mixed precision stays off (Lightning
+``32-true``, Accelerate ``"no"``): their autocast on top would cast again.
 
 Both front-ends shard the same way, by :func:`apply_fully_shard` (each block, then the root), so the same preset
 gives the same numbers to both: in Lightning's ``ModelParallelStrategy`` from the LightningModule's
