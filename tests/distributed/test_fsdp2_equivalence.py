@@ -30,6 +30,8 @@ from common.fsdp2 import accelerate_fsdp2_config
 pytestmark = pytest.mark.slow
 
 WORKER = REPO / "tests" / "distributed" / "fsdp2_worker.py"
+# The bar. Measured here (2 processes, gloo): losses within 9.2e-8 and gradient norms within 6.9e-7 of ZeRO's,
+# on all three front-ends; ZeRO-3 and ZeRO-2 agree with each other to 7.3e-8.
 FP32_RTOL = 1e-5
 COUNTERPARTS = {"fsdp2": "deepspeed_stage_3", "fsdp2_grad_op": "deepspeed_stage_2"}
 WORLD = 2
