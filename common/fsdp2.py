@@ -1,0 +1,575 @@
+"""PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), the measured peer of the ZeRO presets.
+
+FSDP2 shards every parameter as a ``DTensor`` over the data-parallel ranks: each rank keeps 1/N of every weight (and
+of its gradient and optimizer state), gathers a block's weights just before the block runs and frees them after. Its
+two useful settings map onto two ZeRO stages:
+
+- ``fsdp2``: each block's gathered weights are freed after its forward and gathered again for its backward, so
+  parameters, gradients and optimizer state are all sharded between uses: ZeRO-3's counterpart.
+- ``fsdp2_grad_op``: each block keeps its gathered weights from its forward to its backward
+  (``reshard_after_forward=False``), one all-gather per step instead of two: ZeRO-2's counterpart (FSDP1 called it
+  ``SHARD_GRAD_OP``). Between steps the parameters are sharded too, where ZeRO-2 keeps a whole 16-bit copy.
+
+The precision contract: fp32 master weights (the sharded parameters FSDP2 keeps), bf16 compute (each block's weights
+cast to bf16 as they are gathered) and fp32 gradient reduction: FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (:func:`mixed_precision_policy`). DeepSpeed's bf16 differs
+in one place: its gradient reduction follows the training dtype (``communication_data_type`` defaults to bf16) unless
+the config sets ``communication_data_type: fp32``. The front-ends' own mixed precision stays off (Lightning
+``32-true``, Accelerate ``"no"``): their autocast on top would cast again.
+
+Both front-ends shard the same way, by :func:`apply_fully_shard` (each block, then the root), so the same preset
+gives the same numbers to both: in Lightning's ``ModelParallelStrategy`` from the LightningModule's
+``configure_model``, in Accelerate before ``prepare`` (which then leaves an already sharded model as it is).
+
+Checkpoints go through ``torch.distributed.checkpoint`` (DCP): every rank writes its shards, and a checkpoint loads
+at any world size, DCP re-sharding on load (:func:`load_checkpoint`). They are published like the ZeRO checkpoints
+(:mod:`common.checkpoint`): written into ``.tmp-step_N``, renamed into place by rank 0, ``latest`` moved last, either
+synchronously (:class:`common.async_checkpoint.Checkpointer` with :func:`dcp_write`) or in the background
+(:class:`DcpAsyncCheckpointer`). :func:`consolidate_checkpoint` turns a checkpoint folder into whole weights on one
+process, for a Hugging Face folder.
+
+What only DeepSpeed has (NVMe offload, separate parameter and optimizer offload, ZeRO++, Ulysses, AutoTP, DeepSpeed
+MoE, the pipeline engine) is refused under an FSDP2 preset with one line naming the ZeRO preset that has it
+(:func:`refuse_zero_only_features`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from common.activation import find_blocks
+from common.async_checkpoint import WRITE_DELAY_ENV, Checkpointer, fsync_tree
+from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.errors import ConfigError, nearest
+from common.strategy import PRECISIONS, torch_dtype
+
+FSDP2_PRESETS: dict[str, dict[str, Any]] = {
+    "fsdp2": {
+        "why": "Parameters, gradients and optimizer state sharded (ZeRO-3's counterpart): two all-gathers per block.",
+        # The ZeRO preset that shards the same states: compared with it side by side (bench/peer.py).
+        "counterpart": "deepspeed_stage_3",
+        # Free each block's gathered weights after its forward, gather again for its backward: 16K/N at rest.
+        "reshard_after_forward": True,
+        # Reduce-scatter every micro-batch, as ZeRO-2/3 do: the whole unsharded gradient never waits for the next.
+        "sync_each_micro_batch": True,
+    },
+    "fsdp2_grad_op": {
+        "why": "Weights stay gathered from a block's forward to its backward (ZeRO-2's counterpart): one all-gather.",
+        "counterpart": "deepspeed_stage_2",
+        # Keep gathered weights through the backward: one all-gather per step, the whole model gathered at the peak.
+        "reshard_after_forward": False,
+        # As under fsdp2: DeepSpeed's stage 2 reduces every micro-batch's gradients into its partition too.
+        "sync_each_micro_batch": True,
+    },
+}
+
+FSDP2_PRESET_NAMES: tuple[str, ...] = tuple(FSDP2_PRESETS)
+
+# Recipe settings that only DeepSpeed runs, each with what it is and the ZeRO preset (or stage) that has it.
+ZERO_ONLY_FEATURES: dict[str, tuple[str, str]] = {
+    "nvme_path": ("NVMe offload (ZeRO-Infinity)", "deepspeed_stage_3_offload_nvme"),
+    "offload_optimizer": ("optimizer-state offload apart from the parameters", "deepspeed_stage_2_offload"),
+    "offload_param": ("parameter offload to host memory", "deepspeed_stage_3_offload"),
+    "zeropp": ("ZeRO++ (quantized all-gather, hpZ, quantized gradients)", "deepspeed_stage_3_zeropp"),
+    "sequence_parallel": ("Ulysses sequence parallelism", "deepspeed_stage_3"),
+    "tensor_parallel": ("AutoTP tensor parallelism", "deepspeed_stage_2"),
+    "expert_parallel": ("DeepSpeed MoE expert parallelism", "deepspeed_stage_2"),
+    "pipeline_parallel": ("the DeepSpeed pipeline engine", "deepspeed_stage_1"),
+}
+
+LIGHTNING_FSDP2_PRECISION = "32-true"  # bf16 comes from the MixedPrecisionPolicy, not from Lightning's autocast
+ACCELERATE_FSDP2_PRECISION = "no"  # likewise: Accelerate's bf16 would wrap the forward in autocast as well
+
+
+# --- presets ------------------------------------------------------------------------------------------------------
+
+
+def is_fsdp2_preset(name: Any) -> bool:
+    """Whether ``name`` is one of :data:`FSDP2_PRESETS` (a preset dict counts when it has ``reshard_after_forward``)."""
+    if isinstance(name, dict):
+        return "reshard_after_forward" in name
+    return isinstance(name, str) and name in FSDP2_PRESETS
+
+
+def get_fsdp2_preset(preset: str | dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of an FSDP2 preset (a name or a preset-shaped dict); an unknown name names the nearest one.
+
+    Raises:
+        ConfigError: ``preset`` is not an FSDP2 preset.
+    """
+    if isinstance(preset, dict) and is_fsdp2_preset(preset):
+        return copy.deepcopy(preset)
+    if not is_fsdp2_preset(preset):
+        raise ConfigError(
+            f"unknown FSDP2 preset {preset!r}{nearest(str(preset), FSDP2_PRESET_NAMES)}; "
+            f"valid: {', '.join(FSDP2_PRESET_NAMES)}"
+        )
+    return copy.deepcopy(FSDP2_PRESETS[preset])
+
+
+def is_active(value: Any) -> bool:
+    """Whether a recipe setting turns its feature on: a degree above 1, a non-empty path, true."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return value > 1
+    return bool(value)
+
+
+def refuse_zero_only_features(preset: str, settings: dict[str, Any]) -> None:
+    """Refuse, in one line, the first setting that only DeepSpeed runs, naming the ZeRO preset that has it.
+
+    Args:
+        preset: the run's FSDP2 preset name.
+        settings: the recipe's values of :data:`ZERO_ONLY_FEATURES`' keys (others are ignored), e.g.
+            ``{"sequence_parallel": 2, "nvme_path": ""}``.
+
+    Raises:
+        ConfigError: a ZeRO-only feature is on.
+    """
+    for key, (what, zero_preset) in ZERO_ONLY_FEATURES.items():
+        if is_active(settings.get(key)):
+            raise ConfigError(
+                f"{key}={settings[key]} ({what}) runs only on DeepSpeed, not under preset={preset}: "
+                f"use preset={zero_preset}"
+            )
+
+
+# --- precision and sharding -------------------------------------------------------------------------------------
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for the project's precision names: fp32 master weights and fp32 gradient reduction, always.
+
+    ``bf16``: weights cast to bf16 as they are gathered (compute in bf16), gradients reduced in fp32 and kept in fp32
+    next to the fp32 shards. ``fp32``: nothing cast.
+
+    Raises:
+        ConfigError: ``fp16`` (no loss scaling is wired for FSDP2 here), or a name that is not a precision.
+    """
+    if precision == "fp16":
+        raise ConfigError(
+            "precision=fp16 is not offered under the FSDP2 presets (no loss scaler is wired for them); use bf16 "
+            "(fp32's range, no loss scaling) or fp32, or a ZeRO preset (deepspeed_stage_3) for fp16"
+        )
+    if precision not in PRECISIONS:
+        raise ConfigError(
+            f"precision must be bf16 or fp32, got {precision!r}{nearest(str(precision), ('bf16', 'fp32'))}"
+        )
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=torch.float32)
+
+
+def apply_fully_shard(
+    model: torch.nn.Module,
+    preset: str | dict[str, Any],
+    precision: str,
+    layer_classes: Sequence[type | str] | None = None,
+    mesh: Any = None,
+) -> list[str]:
+    """Shard ``model`` in place: each block (:func:`common.activation.find_blocks`), then the root; return the blocks.
+
+    Activation checkpointing (:func:`common.activation.apply_activation_checkpointing`) goes on first: it wraps each
+    block's ``forward``, and FSDP2's hooks gather the weights around the wrapped call and its recomputation alike.
+
+    Args:
+        model: a module whose parameters are all on one device (a CPU, or the rank's accelerator).
+        preset: an FSDP2 preset name or dict (:data:`FSDP2_PRESETS`).
+        precision: ``bf16`` or ``fp32`` (:func:`mixed_precision_policy`).
+        layer_classes: the block classes or class names; default as :func:`common.activation.find_blocks`.
+        mesh: the data-parallel device mesh (Lightning's ``device_mesh["data_parallel"]``); None: every rank.
+
+    Returns:
+        The names of the blocks sharded as units of their own (the root is one more).
+    """
+    spec = get_fsdp2_preset(preset)
+    policy = mixed_precision_policy(precision)
+    blocks = find_blocks(model, layer_classes)
+    for _, block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=spec["reshard_after_forward"], mp_policy=policy)
+    # The root (embeddings, final norm, head) keeps its weights after the forward: its backward starts at once, so
+    # freeing them would only gather them again (torch's default for the root, None, says the same).
+    fully_shard(model, mesh=mesh, reshard_after_forward=None, mp_policy=policy)
+    return [name for name, _ in blocks]
+
+
+# --- front-ends -------------------------------------------------------------------------------------------------
+
+
+def lightning_fsdp2_trainer_kwargs(
+    world_size: int,
+    grad_accum: int,
+    gradient_clipping: float,
+    timeout: timedelta | None = None,
+) -> dict[str, Any]:
+    """``Trainer`` keyword arguments for an FSDP2 preset: Lightning's ``ModelParallelStrategy`` over every rank.
+
+    The strategy only sets up the process group and the device mesh; the LightningModule's ``configure_model`` calls
+    :func:`apply_fully_shard` with ``mesh=self.device_mesh["data_parallel"]``. Its defaults put one node's processes
+    on the tensor-parallel dimension: here every rank is data-parallel (``tensor_parallel_size=1``). On a CPU it
+    passes no ``device_id`` to the process group and picks gloo itself.
+
+    Lightning's automatic optimization divides each micro-batch's loss by ``accumulate_grad_batches`` once, which is
+    right for FSDP2 (the gradients it accumulates are those of the loss as divided), and it reduces every
+    micro-batch (it skips the reduction only for DDP), as ``sync_each_micro_batch`` asks. Clipping goes through
+    ``torch.nn.utils.clip_grad_norm_``, which computes the global norm over the DTensor shards.
+
+    Args:
+        world_size: data-parallel ranks in total (nodes x devices).
+        grad_accum: micro-batches per optimizer step.
+        gradient_clipping: max gradient norm (0: off).
+        timeout: how long a collective may wait; Lightning's default if None.
+    """
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy_kwargs: dict[str, Any] = {"data_parallel_size": world_size, "tensor_parallel_size": 1}
+    if timeout is not None:
+        strategy_kwargs["timeout"] = timeout
+    return {
+        "strategy": ModelParallelStrategy(**strategy_kwargs),
+        "precision": LIGHTNING_FSDP2_PRECISION,
+        "accumulate_grad_batches": grad_accum,
+        "gradient_clip_val": gradient_clipping or None,
+    }
+
+
+def accelerator_fsdp2_kwargs(
+    preset: str | dict[str, Any], precision: str, grad_accum: int, timeout: timedelta | None = None
+) -> dict[str, Any]:
+    """``Accelerator`` keyword arguments for an FSDP2 preset: the FSDP plugin at version 2, gloo on a CPU.
+
+    The script shards the model with :func:`apply_fully_shard` before ``prepare``: Accelerate's own wrapping
+    (``fsdp2_prepare_model``) would also carve the embeddings and a tail of final norm and head into groups of their
+    own, so the two front-ends would not shard alike. ``sync_each_batch`` keeps Accelerate's ``accumulate`` from
+    skipping the reduce-scatter of the first micro-batches (``set_requires_gradient_sync(False)``), which would hold
+    a whole unsharded fp32 gradient per rank until the last one.
+
+    Args:
+        preset: an FSDP2 preset name or dict.
+        precision: ``bf16`` or ``fp32`` (the plugin's policy; the script's sharding applies the same one).
+        grad_accum: micro-batches per optimizer step.
+        timeout: how long a collective may wait; torch's default if None.
+    """
+    from accelerate.utils import FullyShardedDataParallelPlugin, GradientAccumulationPlugin, InitProcessGroupKwargs
+
+    spec = get_fsdp2_preset(preset)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        reshard_after_forward=spec["reshard_after_forward"],
+        mixed_precision_policy=mixed_precision_policy(precision),
+        state_dict_type="SHARDED_STATE_DICT",
+    )
+    pg_kwargs: dict[str, Any] = {"backend": "nccl" if torch.cuda.is_available() else "gloo"}
+    if timeout is not None:
+        pg_kwargs["timeout"] = timeout
+    return {
+        "fsdp_plugin": plugin,
+        "mixed_precision": ACCELERATE_FSDP2_PRECISION,
+        "gradient_accumulation_plugin": GradientAccumulationPlugin(
+            num_steps=grad_accum, sync_each_batch=spec["sync_each_micro_batch"]
+        ),
+        "kwargs_handlers": [InitProcessGroupKwargs(**pg_kwargs)],
+    }
+
+
+def accelerate_fsdp2_config(
+    preset: str | dict[str, Any], num_processes: int, num_machines: int = 1, main_process_port: int = 29500
+) -> dict[str, Any]:
+    """The accelerate config YAML (as a dict) that launches a script under FSDP2."""
+    spec = get_fsdp2_preset(preset)
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "FSDP",
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": spec["reshard_after_forward"],
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        },
+        "machine_rank": 0,
+        "main_process_port": main_process_port,
+        "main_training_function": "main",
+        "num_machines": num_machines,
+        "num_processes": num_processes,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+
+
+# --- checkpoints --------------------------------------------------------------------------------------------------
+
+
+def training_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What a checkpoint holds: this rank's shards of the model and optimizer state, plus ``extra`` (step, RNG ...).
+
+    Keys are the module's own parameter names (``model.layers.0.mlp.up_proj.weight``), whatever the world size.
+    """
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state, "extra": dict(extra or {})}
+
+
+class _SlowedFileSystemWriter(dcp.FileSystemWriter):
+    """DCP's file writer, each write delayed by ``$ZERO_RECIPES_TEST_CHECKPOINT_WRITE_DELAY_S`` (tests: a rank is
+    killed while a write is in flight)."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        time.sleep(float(os.environ.get(WRITE_DELAY_ENV, "0")))
+        return super().write_data(plan, planner)
+
+
+def _storage_writer(folder: Path) -> dcp.FileSystemWriter:
+    writer = _SlowedFileSystemWriter if float(os.environ.get(WRITE_DELAY_ENV, "0")) > 0 else dcp.FileSystemWriter
+    return writer(folder, sync_files=True)  # each rank fsyncs its files: on disk before rank 0 publishes
+
+
+def dcp_write(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any] | None = None,
+    async_group: Any = None,
+) -> Callable[[Path], Any]:
+    """The save call for :meth:`common.async_checkpoint.Checkpointer.save`: writes this rank's shards into a folder.
+
+    Args:
+        model, optimizer: the sharded model and its optimizer.
+        extra: small state saved with them (the step, the scheduler's state_dict ...).
+        async_group: None: a synchronous ``dcp.save``. A gloo process group of every rank
+            (:class:`DcpAsyncCheckpointer` makes one): ``dcp.async_save``, which copies the state to host memory
+            and returns a ``Future`` while a thread writes it, coordinating the ranks over that group (not over the
+            training's, whose collectives run meanwhile).
+    """
+
+    def write(folder: Path) -> Any:
+        state = training_state(model, optimizer, extra)
+        if async_group is None:
+            return dcp.save(state, storage_writer=_storage_writer(folder))
+        return dcp.async_save(state, storage_writer=_storage_writer(folder), process_group=async_group)
+
+    return write
+
+
+class DcpAsyncCheckpointer(Checkpointer):
+    """DCP's asynchronous save, published like every checkpoint here: rank 0 renames the folder and moves ``latest``
+    only once every rank's shards and DCP's metadata are written and flushed.
+
+    DCP's ``async_save`` copies this rank's state to host memory in the call (the training loop waits for that
+    only), then a thread writes the files and, over a gloo group of its own, gathers every rank's result on rank 0,
+    which writes the metadata last: rank 0's future completes only after every rank has written. Rank 0 then
+    publishes from that thread (:func:`common.checkpoint.publish_checkpoint`: rename, ``latest``, retention). At
+    most one save is in flight: the next waits for the previous. A crash mid-write leaves ``.tmp-step_N`` unnamed by
+    ``latest``, deleted by the next publish or resume.
+
+    Args: those of :class:`common.async_checkpoint.Checkpointer` (the barrier is not used). Every rank must construct
+    it at the same point: it creates the gloo group collectively.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        rank: int,
+        world_size: int,
+        keep_last: int,
+        keep_every: int,
+        barrier: Callable[[], None],
+    ) -> None:
+        super().__init__(out_dir, rank, world_size, keep_last, keep_every, barrier)
+        self.group = dist.new_group(backend="gloo")
+        self.written_s: list[float] = []  # per save: from the save call to rank 0's publish (rank 0 only)
+        self._future: Future | None = None
+        self._error: BaseException | None = None
+        self._published = threading.Event()
+        self._published.set()
+
+    def save(self, step: int, write: Callable[[Path], Any]) -> None:
+        """Wait for the previous save, then start this one; returns once the state is copied to host memory.
+
+        Args:
+            step: the optimizer step being saved.
+            write: ``dcp_write(model, optimizer, extra, async_group=self.group)``: returns DCP's future.
+        """
+        start = time.perf_counter()
+        self.wait()
+        folder = tmp_checkpoint_dir(self.out_dir, step)
+        future = write(folder)
+        if not isinstance(future, Future):
+            raise TypeError(f"an asynchronous save needs dcp_write(..., async_group=...): got {type(future).__name__}")
+        self._future = future
+        if self.rank == 0:
+            self._published.clear()
+            future.add_done_callback(lambda done: self._publish(done, step, folder, start))
+        self.blocked_s.append(time.perf_counter() - start)
+
+    def _publish(self, done: Future, step: int, folder: Path, started: float) -> None:
+        """Rank 0, in DCP's writer thread once every rank has written: flush, rename into place, move ``latest``."""
+        try:
+            done.result()
+            fsync_tree(folder)
+            publish_checkpoint(self.out_dir, step, self.keep_last, self.keep_every)
+            self.written_s.append(time.perf_counter() - started)
+        except BaseException as exc:  # noqa: BLE001 - raised in the training loop by wait()
+            self._error = exc
+        finally:
+            self._published.set()
+
+    def wait(self) -> None:
+        """Block until the save in flight is written (and, on rank 0, published); raise what it raised."""
+        future, self._future = self._future, None
+        error: BaseException | None = None
+        if future is not None:
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below with the step's context
+                error = exc
+        self._published.wait()
+        error, self._error = error or self._error, None
+        if error is not None:
+            raise RuntimeError(f"the background checkpoint write failed: {error}") from error
+
+    def finish(self) -> None:
+        """Every rank, at the end of training: wait for the last write (and, on rank 0, its publish)."""
+        self.wait()
+
+
+def load_checkpoint(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load a DCP checkpoint into a sharded model and its optimizer, at any world size; return its ``extra``.
+
+    DCP reads, for each rank, the pieces of each saved tensor that overlap the shard this rank holds now, so a
+    checkpoint written by 2 ranks loads on 1 or on 4. Every rank calls it.
+    """
+    state = training_state(model, optimizer)
+    del state["extra"]  # DCP fills only the keys it is given, and extra's are not known here: read apart below
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return _read_part(folder, "extra")
+
+
+def _read_part(folder: str | Path, part: str) -> Any:
+    """One top-level part of a DCP checkpoint, whole, read by this process alone (no collective)."""
+    # The loader under dcp.load, as torch's own dcp_to_torch_save calls it: dcp.load hands back only the keys it was
+    # given, and a reader that rebuilds the state from the checkpoint's metadata starts from none.
+    state: dict[str, Any] = {}
+    planner = _EmptyStateDictLoadPlanner(keys={part})
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(folder)), planner=planner, no_dist=True)
+    return state.get(part, {})
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """Whole weights of a sharded model on rank 0 (CPU tensors), None elsewhere; every rank calls it (collective).
+
+    Each parameter is gathered in turn and moved to host memory (``cpu_offload``), so no rank holds the whole model
+    on its accelerator.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return state if not dist.is_initialized() or dist.get_rank() == 0 else None
+
+
+def consolidate_checkpoint(folder: str | Path, part: str = "model") -> dict[str, torch.Tensor]:
+    """Whole weights from a DCP checkpoint folder, in one process without a process group (``zero-recipes export``).
+
+    Reads only the weights (not the optimizer's moments) and rebuilds each tensor from the shards every rank wrote.
+
+    Args:
+        folder: the checkpoint folder (the one holding DCP's ``.metadata``).
+        part: the top-level key the weights were saved under: ``model`` for :func:`dcp_write` and for Accelerate's
+            ``save_state`` (its ``pytorch_model_fsdp_0`` folder), ``state_dict`` for Lightning's
+            ``ModelParallelStrategy`` (names prefixed by the LightningModule's attribute, ``model.``).
+
+    Returns:
+        ``{name: tensor}`` on the CPU, in the dtype the shards were saved in.
+
+    Raises:
+        ConfigError: the folder is not a DCP checkpoint, or holds no ``part``.
+    """
+    if not (Path(folder) / ".metadata").is_file():
+        raise ConfigError(f"{folder} is not a torch.distributed.checkpoint folder (no .metadata in it)")
+    weights = _read_part(folder, part)
+    if not weights:
+        raise ConfigError(f"{folder} holds no {part!r} part; saved parts: {', '.join(checkpoint_parts(folder))}")
+    return weights
+
+
+def checkpoint_parts(folder: str | Path) -> list[str]:
+    """The top-level keys a DCP checkpoint was saved with (``model``, ``optimizer``, ``extra`` ...)."""
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    return sorted({path[0] for path in (metadata.planner_data or {}).values()})
+
+
+# --- accounting ---------------------------------------------------------------------------------------------------
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds, by category, counted from the tensors it holds (each storage once).
+
+    ``params``: the local shards of the parameters (padding included: a shard is a view of a padded storage);
+    ``grads``: the local shards of gradients that are alive; ``optimizer``: the local shards of the optimizer's
+    state (Adam's moments); ``buffers``: the module's buffers and any gathered (unsharded) weights alive now.
+    The same keys as :func:`common.accounting.model_state_bytes` for a DeepSpeed engine.
+    """
+    counted: dict[tuple[int, int], str] = {}
+
+    def add(tensor: Any, category: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            return
+        storage = _local(tensor).untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key[1] and key not in counted:
+            counted[key] = category
+
+    for param in model.parameters():
+        add(param, "params")
+        add(param.grad, "grads")
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    add(value, "optimizer")
+    for buffer in model.buffers():
+        add(buffer, "buffers")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for fsdp_param in _fsdp_params(module):
+                add(getattr(fsdp_param, "_unsharded_param", None), "buffers")
+
+    totals = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
+    for (_, nbytes), category in counted.items():
+        totals[category] += nbytes
+    totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer"]
+    totals["total"] = totals["model_states"] + totals["buffers"]
+    return totals
+
+
+def _fsdp_params(module: FSDPModule) -> list[Any]:
+    """The ``FSDPParam`` records of one FSDP unit (torch's private state: an empty list if it moved)."""
+    state = fully_shard.state(module)
+    group = getattr(getattr(state, "_fsdp_param_group", None), "fsdp_params", None)
+    return list(group or [])
