@@ -26,6 +26,7 @@ from common.memory_formulas import (
     facts_from_model_config,
     transformer_activations,
 )
+from common.parallel import check_sequence_parallel
 from nlp.model import build_llama_config
 
 WORKER = REPO / "tests" / "distributed" / "sequence_parallel_activation_worker.py"
@@ -146,4 +147,4 @@ def test_full_checkpointing_at_sp_8_is_an_eighth_of_the_token_terms():
 )
 def test_what_ulysses_cannot_split_is_refused(facts, kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        activation_parts(facts, kwargs["seq_len"], 1, "bf16", kwargs.get("attention", "sdpa"), 1, kwargs["sp"])
+        check_sequence_parallel(facts, kwargs["sp"], 1, kwargs["seq_len"], kwargs.get("attention", "sdpa"))
