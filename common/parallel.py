@@ -77,6 +77,8 @@ class ParallelLayout:
         expert: EP, ranks splitting the routed experts of each MoE layer.
         sequence: SP, ranks splitting each sequence (DeepSpeed's Ulysses, ``UlyssesSPAttentionHF``).
         zero_stage: the run's ZeRO stage; None when planning every stage (the planner's rows).
+        pipeline_engine: DeepSpeed's pipeline engine runs the model even with one stage (a run of the NLP recipe's
+            ``train_pipeline.py``); with ``pipeline`` > 1 it does anyway (:attr:`on_pipeline_engine`).
         components: ``deepspeed`` when DeepSpeed's own components run each degree (the component rules apply),
             ``any`` otherwise.
     """
@@ -87,7 +89,13 @@ class ParallelLayout:
     expert: int = 1
     sequence: int = 1
     zero_stage: int | None = None
+    pipeline_engine: bool = False
     components: str = "any"
+
+    @property
+    def on_pipeline_engine(self) -> bool:
+        """DeepSpeed's pipeline engine runs the model: ZeRO 0-1 only, no AutoTP, no Ulysses."""
+        return self.pipeline > 1 or self.pipeline_engine
 
     @property
     def ranks_per_replica(self) -> int:
@@ -346,18 +354,19 @@ def check_components(facts: ModelFacts, layout: ParallelLayout, option: Callable
     """
     if layout.components != "deepspeed":
         return
-    t, p, sp, moe = layout.tensor, layout.pipeline, layout.sequence, bool(facts.num_experts)
+    t, sp, moe = layout.tensor, layout.sequence, bool(facts.num_experts)
+    engine = f"the pipeline engine ({option('pipeline_parallel', layout.pipeline)})"
     pairs = [
-        (t > 1 and p > 1, ("tensor_parallel", t), ("pipeline_parallel", p), "AutoTP shards a plain module inside "
-         "deepspeed.initialize and is not wired into PipelineModule"),
-        (sp > 1 and p > 1, ("sequence_parallel", sp), ("pipeline_parallel", p), "Ulysses replaces the attention of "
-         "a transformers model, not of PipelineModule's layers"),
-        (t > 1 and sp > 1, ("tensor_parallel", t), ("sequence_parallel", sp), "DeepSpeed's Ulysses groups and "
-         "AutoTP's mesh both take consecutive ranks"),
+        (t > 1 and layout.on_pipeline_engine, option("tensor_parallel", t), engine, "AutoTP shards a plain module "
+         "inside deepspeed.initialize and is not wired into PipelineModule"),
+        (sp > 1 and layout.on_pipeline_engine, option("sequence_parallel", sp), engine, "Ulysses replaces the "
+         "attention of a transformers model, not of PipelineModule's layers"),
+        (t > 1 and sp > 1, option("tensor_parallel", t), option("sequence_parallel", sp), "DeepSpeed's Ulysses "
+         "groups and AutoTP's mesh both take consecutive ranks"),
     ]  # fmt: skip
-    for refused, (key_a, a), (key_b, b), why in pairs:
+    for refused, first, second, why in pairs:
         if refused:
-            raise ConfigError(f"{option(key_a, a)} with {option(key_b, b)} does not run: {why}; use one of them")
+            raise ConfigError(f"{first} with {second} does not run: {why}; use one of them")
     for refused, key, value, why in (
         (moe and t > 1, "tensor_parallel", t, "AutoTP does not split DeepSpeed's MoE experts"),
         (moe and sp > 1, "sequence_parallel", sp, "DeepSpeed's MoE layer routes whole sequences"),
@@ -375,7 +384,7 @@ def stage_refusal(facts: ModelFacts, layout: ParallelLayout, stage: int) -> str 
     layer refuses ZeRO-3 in ``deepspeed.initialize``, and the recipes' tensor-parallel export gathers AutoTP's shards,
     not ZeRO-3's partitions as well. The planner marks such rows; :func:`check_layout` refuses a run.
     """
-    if layout.pipeline > 1 and stage >= 2:
+    if layout.on_pipeline_engine and stage >= 2:
         return (
             "DeepSpeed's pipeline engine runs ZeRO 0-1 only (\"ZeRO-2 and ZeRO-3 are incompatible with pipeline "
             'parallelism")'
@@ -397,14 +406,12 @@ def _check_stage(facts: ModelFacts, layout: ParallelLayout, option: Callable[...
     reason = None if stage is None else stage_refusal(facts, layout, stage)
     if reason is None:
         return
-    degrees = [
-        option(key, value)
-        for key, value in (("tensor_parallel", layout.tensor), ("pipeline_parallel", layout.pipeline))
-        if value > 1
-    ]
-    what = " with ".join([f"ZeRO stage {stage}", *(degrees or ["a Mixture-of-Experts model"])])
-    best = "deepspeed_stage_1" if layout.pipeline > 1 else "deepspeed_stage_1 or deepspeed_stage_2"
-    raise ConfigError(f"{what}: {reason}; use {option('preset', best)}")
+    if layout.on_pipeline_engine:
+        what = f"the pipeline engine ({option('pipeline_parallel', layout.pipeline)})"
+    else:
+        what = option("tensor_parallel", layout.tensor) if layout.tensor > 1 else "a Mixture-of-Experts model"
+    best = "deepspeed_stage_1" if layout.on_pipeline_engine else "deepspeed_stage_1 or deepspeed_stage_2"
+    raise ConfigError(f"ZeRO stage {stage} with {what}: {reason}; use {option('preset', best)}")
 
 
 def check_sequence_parallel(
