@@ -38,6 +38,7 @@ SHAPE_KEYS = {
     "num_heads": "num_attention_heads",
 }
 
+
 def shape_overrides(size: str, **keys: int) -> dict[str, int]:
     """The transformers config fields of the width and depth keys set (non-zero) on top of ``size``: a size whose
     heads each have their own key/value head keeps it so when ``num_heads`` changes."""

@@ -66,14 +66,14 @@ def run_layout(
     )
     # A local folder trains with its own layers: no expert of it is DeepSpeed's, whatever its config says.
     facts = shape_facts(config, f"model={cfg.model}", experts=cfg.moe)
-    check_layout(facts, layout, recipe_option, cfg.seq_len, cfg.attention)
-    if pipeline_engine:
-        check_pipeline_model(cfg, config)
-    elif layout.pipeline > 1:
+    if layout.pipeline > 1 and not pipeline_engine:
         raise ConfigError(
             f"pipeline_parallel={layout.pipeline} runs on recipes/nlp/train_pipeline.py (DeepSpeed's pipeline "
             "engine): Lightning and Accelerate cannot drive engine.train_batch(); launch that script instead"
         )
+    check_layout(facts, layout, recipe_option, cfg.seq_len, cfg.attention)
+    if pipeline_engine:
+        check_pipeline_model(cfg, config)
     check_memory_options(cfg, config, layout, pipeline_engine)
     return layout
 

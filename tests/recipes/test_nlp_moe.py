@@ -56,7 +56,7 @@ def check(*args: str) -> None:
         ),
         (["model=moe_tiny", "expert_parallel=2", "devices=2"], "Native DeepSpeed MoE is not supported with ZeRO"),
         (
-            ["model=moe_tiny", "preset=deepspeed_stage_1", "expert_parallel=2", "tensor_parallel=2", "devices=2"],
+            ["model=moe_tiny", "preset=deepspeed_stage_1", "expert_parallel=2", "tensor_parallel=2", "devices=4"],
             "tensor_parallel=2 with a Mixture-of-Experts model does not run",
         ),
     ],

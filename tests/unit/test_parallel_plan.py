@@ -180,12 +180,24 @@ def test_first_pipeline_stage_with_full_checkpointing():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--params", "6.7e9", "--gpus", "6", "--tensor-parallel", "4"], "--tensor-parallel 4 does not divide the 6 rank(s)"),
-        (["--params", "6.7e9", "--gpus", "8", "--pipeline-parallel", "3", "--nodes", "3"], "--pipeline-parallel 3 does not split the model's 32 layers"),
-        (["--params", "6.7e9", "--gpus", "6", "--tensor-parallel", "3"], "--tensor-parallel 3 does not divide the model's 32 attention heads"),
+        (["--params", "6.7e9", "--gpus", "6", "--tensor-parallel", "4"], "--tensor-parallel 4 does not divide the 6"),
+        (
+            ["--params", "6.7e9", "--gpus", "8", "--pipeline-parallel", "3", "--nodes", "3"],
+            "--pipeline-parallel 3 does not split the model's 32 layers",
+        ),
+        (
+            ["--params", "6.7e9", "--gpus", "6", "--tensor-parallel", "3"],
+            "--tensor-parallel 3 does not divide the model's 32 attention heads",
+        ),
         (["llama", "--gpus", "8", "--expert-parallel", "2"], "--expert-parallel 2 needs a model with experts"),
-        (["mixtral", "--gpus", "8", "--nodes", "3", "--expert-parallel", "3"], "--expert-parallel 3 does not divide the model's 4 experts"),
-        (["mixtral", "--gpus", "4", "--tensor-parallel", "2", "--expert-parallel", "4"], "--expert-parallel 4 does not divide the data-parallel degree 2"),
+        (
+            ["mixtral", "--gpus", "8", "--nodes", "3", "--expert-parallel", "3"],
+            "--expert-parallel 3 does not divide the model's 4 experts",
+        ),
+        (
+            ["mixtral", "--gpus", "4", "--tensor-parallel", "2", "--expert-parallel", "4"],
+            "--expert-parallel 4 does not divide the data-parallel degree 2",
+        ),
     ],
     ids=["world-tp", "layers-pp", "heads-tp", "ep-dense", "experts-ep", "dp-ep"],
 )
