@@ -6,7 +6,8 @@ replica's batches from it (``layout.data_parallel_rank(rank)``), ``common.parall
 DeepSpeed's groups, and :func:`memory_plan` applies the planner's per-rank arithmetic to it. The layout rules
 themselves are the planner's (``zero-recipes estimate`` refuses the same layouts in its own vocabulary); what is here
 is this recipe's own: which entry point runs a pipeline, what the pipeline engine cuts, which memory options each
-layout takes.
+layout takes; and, for ``train_pipeline.py``, what crosses the pipeline engine's stages (micro-batches, evaluation,
+logits, the weights of ``final/``).
 """
 
 from __future__ import annotations
