@@ -169,8 +169,8 @@ def deepspeed_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[
     if cfg.tensor_parallel > 1:  # AutoTP shards the model inside deepspeed.initialize
         ds_config["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel}
     if cfg.tensor_parallel > 1 or cfg.pipeline_parallel > 1:
-        # DeepSpeed derives train_batch_size itself (micro x accumulation x its data-parallel size) and refuses the
-        # factory's, which counts every rank as a replica.
+        # DeepSpeed derives train_batch_size itself (micro x accumulation x the world size under AutoTP, x the
+        # data-parallel size under the pipeline engine) and refuses any other value.
         ds_config.pop("train_batch_size", None)
     return ds_config
 
