@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from _util import NLP_RECIPE, recipe_module
+from _util import NLP_ENTRY_POINTS, NLP_RECIPE, PYTHON, accelerate_launch, recipe_module, run
 
 from common.errors import ConfigError
 from common.tools import memory
@@ -145,3 +145,17 @@ def test_a_stage_the_layout_cannot_run_is_refused_and_marked(name, tmp_path):
     rows = memory.plan(description.model, inputs).rows
     assert all((reason in row.note) == (row.stage >= stage) for row in rows), [(r.stage, r.note) for r in rows]
     assert not any(row.fits for row in rows if row.stage >= stage)
+
+
+@pytest.mark.parametrize("entry", ["lightning", "accelerate"])
+def test_both_twins_refuse_a_bad_layout_before_any_work(entry, tmp_path):
+    """The layout is refused before the corpus is read or the tokenizer trained: with data that does not exist, the
+    one error line is the layout's, not the data's, and no run directory appears."""
+    out_dir, args = tmp_path / "run", ["sequence_parallel=3", "data=/nonexistent/corpus"]
+    if entry == "lightning":
+        proc = run([PYTHON, NLP_ENTRY_POINTS["lightning"], "devices=2", f"out_dir={out_dir}", *args], check=False)
+    else:
+        config = NLP_RECIPE / "accelerate.yaml"
+        proc = accelerate_launch(NLP_ENTRY_POINTS["accelerate"], [f"out_dir={out_dir}", *args], config, check=False)
+    assert "error: sequence_parallel=3 does not divide the 2 rank(s)" in proc.stderr, proc.stderr[-3000:]
+    assert "/nonexistent/corpus" not in proc.stderr and not out_dir.exists()
