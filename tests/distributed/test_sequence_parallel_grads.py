@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow
 
 WORKER = REPO / "tests" / "distributed" / "sequence_parallel_worker.py"
 STAGES = ("stage1", "stage2", "stage3")
-# The fixed probe batch's loss must fall at least this much over the 4 SGD steps. Measured: see the report of the
-# commit that added it; with LR = 0 in the worker it does not move and the test fails.
-MIN_DROP = 0.02
+# The fixed probe batch's loss must fall at least this much over the 4 SGD steps. Measured: 4.169 -> 4.030 (3.3 %) on
+# 1 and 2 ranks, 4.025 (3.4 %) on 2 and 4, at every stage; with LR = 0 in the worker it stays at 4.169 and fails.
+MIN_DROP = 0.01
 
 
 @pytest.fixture(scope="module")
