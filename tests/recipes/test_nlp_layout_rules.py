@@ -147,6 +147,7 @@ def test_a_stage_the_layout_cannot_run_is_refused_and_marked(name, tmp_path):
     assert not any(row.fits for row in rows if row.stage >= stage)
 
 
+@pytest.mark.slow  # accelerate launch starts 2 processes (they refuse at once: about 20 s each entry point)
 @pytest.mark.parametrize("entry", ["lightning", "accelerate"])
 def test_both_twins_refuse_a_bad_layout_before_any_work(entry, tmp_path):
     """The layout is refused before the corpus is read or the tokenizer trained: with data that does not exist, the
