@@ -32,6 +32,9 @@ class RecipeDescription:
         micro_batch_size: samples per rank per forward pass.
         persistent_params: parameter elements ZeRO-3 keeps whole on every rank (under
             ``stage3_param_persistence_threshold``; 0 below stage 3).
+        parallel_components: ``deepspeed`` when the recipe runs tensor, pipeline, expert and sequence parallelism
+            with DeepSpeed's own components (``common.parallel.ParallelLayout.components``): the planner then refuses
+            the combinations the recipe refuses.
     """
 
     recipe: str
@@ -44,6 +47,7 @@ class RecipeDescription:
     seq_len: int | None
     micro_batch_size: int
     persistent_params: int = 0
+    parallel_components: str = "any"
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -313,269 +312,13 @@ def tensor_replicated_numel(model: Any) -> int:
     return sum(n for key, n in others.items() if key not in linear)
 
 
-# --- tensor, pipeline, expert (issue 18) and sequence (issue 21) parallelism -------------------------------
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """How the ranks split the model: world = tensor x pipeline x data parallel, experts over expert-parallel groups.
-
-    The layout of DeepSpeed and Megatron: the TP x PP ranks of a replica each hold a different slice of the model,
-    and ZeRO partitions a slice's model states over the DP = world / (TP x PP) ranks that hold the same slice. MoE
-    experts are split over EP of those DP ranks, and each expert is data-parallel over the other DP / EP: DeepSpeed's
-    "expert data parallel" group (``deepspeed.utils.groups._create_expert_data_and_model_parallel``; world / EP
-    without TP or PP), over which ZeRO partitions the experts' states. Ulysses sequence parallelism (SP) splits every
-    sequence over SP ranks of a replica, which then see the same samples: DP = world / (TP x PP x SP) replicas read
-    different batches, but ZeRO partitions over the SP ranks too (DeepSpeed's "sequence data parallel" group,
-    ``groups._get_sequence_data_parallel_group``), so model states are sharded over world / (TP x PP) ranks.
-
-    Attributes:
-        world_size: ranks in total (devices per node x nodes).
-        tensor: TP, ranks splitting each matrix (Megatron-style tensor parallelism, DeepSpeed's AutoTP).
-        pipeline: PP, pipeline stages (``deepspeed.pipe.PipelineModule``), each holding L / PP blocks.
-        expert: EP, ranks splitting the routed experts of each MoE layer.
-        sequence: SP, ranks splitting each sequence (DeepSpeed's Ulysses, ``UlyssesSPAttentionHF``).
-    """
-
-    world_size: int
-    tensor: int = 1
-    pipeline: int = 1
-    expert: int = 1
-    sequence: int = 1
-
-    @property
-    def data_parallel(self) -> int:
-        """DP = world / (TP x PP x SP): the replicas that read different samples (the global batch's factor)."""
-        return self.world_size // (self.tensor * self.pipeline * self.sequence)
-
-    @property
-    def zero_ranks(self) -> int:
-        """World / (TP x PP) = DP x SP: the ranks ZeRO partitions the dense states over (SP ranks included)."""
-        return self.world_size // (self.tensor * self.pipeline)
-
-    @property
-    def expert_data_parallel(self) -> int:
-        """DP / EP: the ranks ZeRO partitions an expert's states over."""
-        return self.data_parallel // self.expert
-
-    @property
-    def trivial(self) -> bool:
-        """Every rank holds the whole model: the guide's formulas apply to model states as they are, N = world (SP
-        ranks hold the whole model and ZeRO shards over them too)."""
-        return self.tensor == self.pipeline == self.expert == 1
-
-
-def _assumed_hint(facts: ModelFacts) -> str:
-    return (
-        " (the shape is assumed from --params: pass --model-config for the real one)"
-        if facts.source.startswith("--params")
-        else ""
-    )
-
-
-def check_layout(facts: ModelFacts, layout: ParallelLayout) -> None:
-    """Refuse a layout DeepSpeed or Megatron cannot build, with what to change.
-
-    Raises:
-        ConfigError: the ranks do not split into TP x PP x SP x DP, the layers into PP stages, the heads over TP
-            ranks, the query heads over TP x SP ranks (``UlyssesSPAttentionHF``: "Attention head count ... is not
-            divisible by SP size"), the key/value heads over SP ranks or SP ranks over them (its "KV attention head
-            count ... not divisible by SP size ... or vice versa"), the experts over EP ranks, or DP over EP
-            (DeepSpeed's ``_ensure_divisibility(dp_world_size, expert_parallel_size_)``); or expert parallelism on a
-            model without experts, or with sequence parallelism (not estimated).
-    """
-    t, p, e, world = layout.tensor, layout.pipeline, layout.expert, layout.world_size
-    sp = layout.sequence
-    flags = (
-        ("--tensor-parallel", t),
-        ("--pipeline-parallel", p),
-        ("--expert-parallel", e),
-        ("--sequence-parallel", sp),
-    )
-    for flag, value in flags:
-        if value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
-    hint = _assumed_hint(facts)
-    if sp > 1:
-        check_sequence_parallel(facts, sp, t)
-        if world % (t * p * sp):
-            raise ConfigError(
-                f"{world} ranks do not split into tensor {t} x pipeline {p} x sequence {sp} = {t * p * sp} ranks per "
-                "replica: the data-parallel degree world / (TP x PP x SP) must be whole; change --gpus/--nodes or "
-                "the parallel sizes"
-            )
-        if e > 1:
-            raise ConfigError(
-                f"--expert-parallel {e} with --sequence-parallel {sp} is not estimated: the planner does not know how "
-                "DeepSpeed lays expert groups over sequence-parallel ranks; drop one of them"
-            )
-    if world % (t * p):
-        raise ConfigError(
-            f"{world} ranks do not split into tensor {t} x pipeline {p} = {t * p} ranks per replica: the data-parallel "
-            "degree world / (TP x PP) must be whole; change --gpus/--nodes or the parallel sizes"
-        )
-    if p > 1 and not facts.num_layers:
-        raise ConfigError("--pipeline-parallel needs the model's layer count: pass --model-config or --params")
-    if p > 1 and facts.num_layers % p:
-        raise ConfigError(
-            f"{facts.num_layers} layers do not split into {p} pipeline stages of equal depth{hint}: "
-            f"choose --pipeline-parallel dividing {facts.num_layers}"
-        )
-    if t > 1 and not facts.num_heads:
-        raise ConfigError("--tensor-parallel needs the model's attention heads: pass --model-config or --params")
-    if t > 1 and facts.num_heads % t:
-        raise ConfigError(
-            f"{facts.num_heads} attention heads do not split over {t} tensor-parallel ranks{hint}: "
-            f"choose --tensor-parallel dividing {facts.num_heads}"
-        )
-    if e > 1 and not facts.num_experts:
-        raise ConfigError(
-            f"--expert-parallel {e} on a model without experts ({facts.source}): expert parallelism splits MoE "
-            "experts; pass a MoE config (num_local_experts / num_experts in its config.json) or drop the flag"
-        )
-    if e > 1 and facts.num_experts % e:
-        raise ConfigError(
-            f"{facts.num_experts} experts do not split over {e} expert-parallel ranks: "
-            f"choose --expert-parallel dividing {facts.num_experts}"
-        )
-    if e > 1 and layout.data_parallel % e:
-        raise ConfigError(
-            f"--expert-parallel {e} does not divide the data-parallel degree {layout.data_parallel} "
-            f"(= {world} ranks / (TP {t} x PP {p})): DeepSpeed places expert-parallel groups inside the data-parallel "
-            "ranks; choose EP dividing it"
-        )
-
-
-def cli_option(key: str, value: Any = None) -> str:
-    """How the planner's command line spells an option (``--seq-len 4096``): the vocabulary of its errors."""
-    name = "--" + key.replace("_", "-")
-    return name if value is None else f"{name} {value}"
-
-
-def recipe_option(key: str, value: Any = None) -> str:
-    """How a recipe's config spells an option (``seq_len=4096``): the vocabulary of its errors."""
-    return key if value is None else f"{key}={value}"
-
-
-def check_sequence_parallel(
-    facts: ModelFacts,
-    sequence_parallel: int,
-    tensor_parallel: int = 1,
-    seq_len: int | None = None,
-    attention: str | None = None,
-    option: Callable[..., str] = cli_option,
-) -> None:
-    """Refuse a Ulysses sequence-parallel size that ``UlyssesSPAttentionHF`` cannot run, naming the value.
-
-    SP must divide the query heads (each rank attends with heads / SP of them over the whole sequence), and the
-    key/value heads must split over SP ranks or SP ranks over them (then each rank holds one replicated KV head);
-    ``seq_len`` must split into SP equal slices; eager attention is refused (it needs an s x s mask). The planner
-    and the recipes run these same rules; ``option`` spells the options the way the user wrote them
-    (:func:`cli_option`, :func:`recipe_option`).
-
-    Raises:
-        ConfigError: naming the sequence-parallel option and the value that does not split.
-    """
-    sp = sequence_parallel
-    if sp < 1:
-        raise ConfigError(f"{option('sequence_parallel')} must be >= 1, got {sp}")
-    if sp == 1:
-        return
-    hint = _assumed_hint(facts)
-    if not facts.num_heads:
-        raise ConfigError(
-            f"{option('sequence_parallel')} needs the model's attention heads: pass --model-config or --params"
-        )
-    heads = facts.num_heads // max(1, tensor_parallel)
-    if facts.num_heads % max(1, tensor_parallel) or heads % sp:
-        per = f" ({facts.num_heads} / tensor {tensor_parallel})" if tensor_parallel > 1 else ""
-        raise ConfigError(
-            f"{option('sequence_parallel', sp)} does not divide the {heads} attention heads{per}{hint}: Ulysses "
-            f"gives each sequence-parallel rank heads / SP of them; choose a {option('sequence_parallel')} dividing "
-            f"{heads}"
-        )
-    kv = (facts.num_kv_heads or facts.num_heads) // max(1, tensor_parallel)
-    if kv % sp and sp % kv:
-        raise ConfigError(
-            f"{option('sequence_parallel', sp)} and the {kv} key/value heads{hint} do not divide one another: Ulysses "
-            "splits the key/value heads over the SP ranks (or replicates one per rank when SP is larger); choose a "
-            f"{option('sequence_parallel')} dividing {kv} or a multiple of it"
-        )
-    if seq_len is not None and seq_len % sp:
-        raise ConfigError(
-            f"{option('seq_len', seq_len)} is not divisible by {option('sequence_parallel', sp)}: each rank holds "
-            f"seq_len / SP tokens; choose a length that is a multiple of {sp} (e.g. "
-            f"{option('seq_len', seq_len - seq_len % sp or sp)})"
-        )
-    if attention == "eager":
-        raise ConfigError(
-            f"{option('sequence_parallel', sp)} needs {option('attention', 'sdpa')} or flash_attention_2: eager "
-            "attention builds the whole sequence's s x s score matrix, which Ulysses exists to avoid (DeepSpeed "
-            "refuses eager)"
-        )
+# --- per-rank activations under tensor and sequence parallelism ------------------------------------------
 
 
 def kv_heads_per_rank(facts: ModelFacts, sequence_parallel: int = 1, tensor_parallel: int = 1) -> float:
     """Key/value heads one rank attends with: KV / TP, split over SP ranks, or 1 replicated head when SP > KV / TP."""
     kv = (facts.num_kv_heads or facts.num_heads or 1) / tensor_parallel
     return kv if sequence_parallel == 1 else max(kv / sequence_parallel, 1.0)
-
-
-def rank_params(facts: ModelFacts, layout: ParallelLayout) -> tuple[float, float]:
-    """(dense, expert) parameters one rank holds: (split / TP + replicated) / PP and experts / (EP x PP).
-
-    The dense part's linear layers are divided by TP and the rest (:attr:`ModelFacts.tensor_replicated_params`:
-    embedding, norms) is whole on every TP rank, as AutoTP does; Megatron's vocabulary-parallel embedding would
-    split the embedding too, so for Megatron this is an upper bound. PP divides evenly, the usual planning
-    approximation (the first and last stages also hold the embedding and the output layer). Experts are divided by
-    EP and by PP, since a stage holds only its own layers' experts; TP does not divide them (DeepSpeed MoE's
-    default; Megatron-DeepSpeed's ``--enable-expert-tensor-parallelism`` would).
-    """
-    dense = facts.num_params - facts.expert_params
-    replicated = min(facts.tensor_replicated_params, dense)
-    per_stage = (dense - replicated) / layout.tensor + replicated
-    return per_stage / layout.pipeline, facts.expert_params / (layout.expert * layout.pipeline)
-
-
-def rank_partition(facts: ModelFacts, layout: ParallelLayout) -> int:
-    """Elements of one rank's ZeRO partition: its dense parameters over DP x SP plus its experts over DP / EP."""
-    dense, experts = rank_params(facts, layout)
-    return math.ceil(dense / layout.zero_ranks) + math.ceil(experts / layout.expert_data_parallel)
-
-
-def parallel_model_states(
-    facts: ModelFacts,
-    stage: int,
-    offload: str,
-    layout: ParallelLayout,
-    precision: str = "bf16",
-    lora_rank: int | None = None,
-    persistence_threshold: int = 0,
-    grads_alive: bool = True,
-) -> tuple[float, float]:
-    """(device bytes, host bytes) of model states per rank: :func:`guide_model_states` on the rank's slice.
-
-    The guide's formula with K = the rank's dense parameters (:func:`rank_params`) and N = DP x SP, plus the same
-    formula for its experts with N = DP / EP (DeepSpeed's expert data-parallel group). Stage-3 persistent parameters
-    (norm weights: replicated over TP, split over PP) add their whole copies divided by PP. Pure data parallelism is
-    :func:`guide_model_states` itself.
-    """
-    if layout.trivial:
-        return guide_model_states(
-            facts, stage, offload, layout.world_size, precision, lora_rank, persistence_threshold, grads_alive
-        )
-    if lora_rank:
-        raise ConfigError("--lora-rank with tensor, pipeline or expert parallelism is not estimated: drop one of them")
-    dense, experts = rank_params(facts, layout)
-    parts = predicted_model_state_bytes(dense, stage, layout.zero_ranks, precision, grads_alive=grads_alive)
-    if experts:
-        moe = predicted_model_state_bytes(
-            experts, stage, layout.expert_data_parallel, precision, grads_alive=grads_alive
-        )
-        parts = {key: parts[key] + moe[key] for key in parts}
-    sharded = stage == 3 and layout.zero_ranks > 1
-    persistent = persistent_params(facts, persistence_threshold) / layout.pipeline
-    return _place_states(parts, WORKING_BYTES[precision] * persistent if sharded else 0.0, offload)
 
 
 # --- the terms ----------------------------------------------------------------------------------------
@@ -611,10 +354,10 @@ def guide_model_states(
     # On one rank the partition is the whole parameter: no second copy (measured: bench/memory.py).
     sharded = stage == 3 and world_size > 1
     whole_copies = WORKING_BYTES[precision] * persistent_params(facts, persistence_threshold) if sharded else 0
-    return _place_states(parts, whole_copies, offload)
+    return place_states(parts, whole_copies, offload)
 
 
-def _place_states(parts: dict[str, float], whole_copies: float, offload: str) -> tuple[float, float]:
+def place_states(parts: dict[str, float], whole_copies: float, offload: str) -> tuple[float, float]:
     """(device bytes, host bytes): offload moves the optimizer states off the device, ``params`` the rest too."""
     device, host = parts["params"] + parts["grads"] + parts["optimizer"] + whole_copies, 0.0
     if offload in ("optimizer", "params", "nvme"):  # nvme: the off-device bytes are on disk, not in host RAM
@@ -774,9 +517,7 @@ def activation_parts(
     if attention not in ATTENTIONS:
         raise ConfigError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     eager = attention == "eager"
-    n = sequence_parallel
-    if n > 1:
-        check_sequence_parallel(facts, n, tensor_parallel, seq_len, attention)
+    n = sequence_parallel  # a size Ulysses can run: common.parallel.check_layout refuses the others first
     p = WORKING_BYTES[precision]
     # Per rank: seq_len / N tokens of every per-token tensor (N = 1: the whole sequence).
     b, s = micro_batch_size, seq_len / n

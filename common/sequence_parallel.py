@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common import memory_formulas
-from common.errors import ConfigError
+from common.memory_formulas import ModelFacts
+from common.parallel import ParallelLayout, check_layout, recipe_option
 
 IGNORE_INDEX = -100
 
@@ -59,31 +59,15 @@ def check_sequence_parallel(
     attention: str,
     tensor_parallel: int = 1,
 ) -> None:
-    """Refuse a ``sequence_parallel`` the run cannot use, before any work (one ConfigError naming the fix)."""
+    """Refuse a ``sequence_parallel`` the run cannot use, before any work (one ConfigError naming the fix): the
+    layout rules of :func:`common.parallel.check_layout`, in a recipe's vocabulary, for a model given by its heads."""
     if size == 1:
         return
-    if size * tensor_parallel > world_size:
-        raise ConfigError(
-            f"sequence_parallel={size} x tensor_parallel={tensor_parallel} = {size * tensor_parallel} is more than "
-            f"the {world_size} rank(s): launch at least that many processes or lower them"
-        )
-    if tensor_parallel > 1:
-        raise ConfigError(
-            f"sequence_parallel={size} with tensor_parallel={tensor_parallel} is not supported here (DeepSpeed's "
-            "Ulysses groups and AutoTP's mesh both take consecutive ranks); use one of them"
-        )
-    if world_size % size:
-        raise ConfigError(
-            f"sequence_parallel={size} does not divide the {world_size} rank(s) (world = sequence_parallel x data "
-            "parallel)"
-        )
-    # The model's side: the planner's rules, in the recipe's vocabulary.
-    facts = memory_formulas.ModelFacts(
+    facts = ModelFacts(
         num_params=0, architecture="transformer", num_heads=num_heads, num_kv_heads=num_kv_heads, source="the model"
     )
-    memory_formulas.check_sequence_parallel(
-        facts, size, seq_len=seq_len, attention=attention, option=memory_formulas.recipe_option
-    )
+    layout = ParallelLayout(world_size, tensor=tensor_parallel, sequence=size, components="deepspeed")
+    check_layout(facts, layout, recipe_option, seq_len=seq_len, attention=attention)
 
 
 def register(model: Any, size: int, micro_batch_size: int, attention: str) -> Any:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import MixtralConfig
 
-from nlp.model import special_token_ids
+from nlp.model import flops_per_token, special_token_ids
 
 # Named MoE sizes as MixtralConfig keyword arguments (a run's tokenizer overrides vocab_size).
 MOE_SIZES: dict[str, dict[str, Any]] = {
@@ -53,9 +53,12 @@ MOE_SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_moe_config(size: str, vocab_size: int | None = None, tokenizer: Any = None, seq_len: int | None = None):
-    """The MixtralConfig of a named MoE size, its vocabulary the tokenizer's when one is given."""
-    kwargs = dict(MOE_SIZES[size])
+def build_moe_config(
+    size: str, vocab_size: int | None = None, tokenizer: Any = None, seq_len: int | None = None, **overrides: Any
+) -> MixtralConfig:
+    """The MixtralConfig of a named MoE size, its vocabulary the tokenizer's when one is given; ``overrides``
+    (MixtralConfig fields: a width or depth) are applied on top of the size's own."""
+    kwargs = {**MOE_SIZES[size], **overrides}
     if tokenizer is not None:
         kwargs["vocab_size"] = len(tokenizer)
         kwargs.update(special_token_ids(tokenizer))
@@ -138,6 +141,15 @@ def aux_loss(model: nn.Module) -> torch.Tensor | None:
     """The sum over MoE layers of the last forward's load-balancing loss (None for a dense model)."""
     losses = [block.l_aux for block in moe_blocks(model) if block.l_aux is not None]
     return torch.stack([loss.float() for loss in losses]).sum() if losses else None
+
+
+def moe_flops_per_token(config: MixtralConfig, seq_len: int) -> float:
+    """Training FLOPs per token of a MoE model: :func:`nlp.model.flops_per_token` (``6 N + 12 L H Q T``) with N the
+    matmul parameters one token goes through: the router (``hidden x experts``) and ``top_k`` expert MLPs in every
+    layer, where the dense formula counts one MLP (``3 x hidden x intermediate``, the size of one expert)."""
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    extra_per_layer = (config.num_experts_per_tok - 1) * 3 * hidden * inter + hidden * config.num_local_experts
+    return flops_per_token(config, seq_len) + 6.0 * layers * extra_per_layer
 
 
 def expert_numels(model: nn.Module) -> tuple[int, int]:

@@ -26,18 +26,19 @@ second and a test can check each term. Per rank, for K parameters on N data-para
   peak is the larger of the end of the forward pass and the first recomputation in the backward pass.
 - **buffers**: an upper bound. DeepSpeed documents ``overlap_comm`` as costing about 4.5 x (reduce +
   all-gather bucket) elements; without it one bucket of each. Under stage 3 the reduce bucket is
-  preallocated (``reduce_bucket_size`` elements in the training dtype, measured here: DESIGN.md) and
+  preallocated (``reduce_bucket_size`` elements in the training dtype, measured here) and
   DeepSpeed keeps gathered parameters whole up to ``stage3_max_live_parameters``. bench/memory.py
   measures what is resident at the peak of the backward pass and publishes the ratio.
 - **host RAM** per node for offload: the offloaded per-rank bytes times the ranks on a node.
 - **tensor, pipeline and expert parallelism** (``--tensor-parallel``, ``--pipeline-parallel``,
-  ``--expert-parallel``, :class:`common.memory_formulas.ParallelLayout`): a rank holds dense / (TP x PP) +
+  ``--expert-parallel``, :class:`common.parallel.ParallelLayout`): a rank holds dense / (TP x PP) +
   experts / (EP x PP) parameters, and ZeRO partitions them over DP = world / (TP x PP) ranks (experts over DeepSpeed's
   expert data-parallel group, DP / EP). Activations are the first pipeline stage's under 1F1B (PP micro-batches in
   flight through L / PP blocks) with TP splitting each block's tensors (Korthikanti et al. 2022, eq. 2 and 4.2.3).
   DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3, so with PP > 1 those rows never fit; DeepSpeed's
-  estimators know nothing of TP, PP or EP, so their column is empty. Bad combinations are refused by
-  :func:`common.memory_formulas.check_layout`.
+  estimators know nothing of TP, PP or EP, so their column is empty. Bad layouts are refused by
+  :func:`common.parallel.check_layout`, the recipes' own rules; with ``--recipe nlp`` also the combinations the
+  recipe's DeepSpeed components cannot run (AutoTP with a pipeline, ...), and its rows they refuse are marked.
 - **Ulysses sequence parallelism** (``--sequence-parallel N``, DeepSpeed's ``UlyssesSPAttentionHF``): each rank
   holds seq_len / N tokens of every per-token activation and heads / N of attention over the whole sequence
   (:func:`common.memory_formulas.activation_parts`; measured on 2 gloo ranks by
@@ -71,11 +72,8 @@ from common.memory_formulas import (
     USABLE_FRACTION,
     WORKING_BYTES,
     ModelFacts,
-    ParallelLayout,
     assumed_transformer,
     buffer_bytes,
-    check_layout,
-    check_sequence_parallel,
     deepspeed_estimate,
     facts_from_hf_config,
     fmt_gb,
@@ -84,14 +82,19 @@ from common.memory_formulas import (
     local_device_memory,
     lora_params,
     offload_traffic,
-    parallel_model_states,
     parse_bandwidths,
     parse_bytes,
     parse_count,
     persistent_params,
     pipeline_activations,
+)
+from common.parallel import (
+    ParallelLayout,
+    check_layout,
+    parallel_model_states,
     rank_params,
     rank_partition,
+    stage_refusal,
 )
 from common.presets import FROM_MODEL, get_preset
 from common.strategy import bucket_elements, persistence_threshold
@@ -167,6 +170,7 @@ class PlanInputs:
     pipeline_parallel: int = 1
     expert_parallel: int = 1
     sequence_parallel: int = 1
+    parallel_components: str = "any"  # "deepspeed": the recipe's own components run each degree (common.parallel)
 
     @property
     def world_size(self) -> int:
@@ -177,7 +181,12 @@ class PlanInputs:
     def layout(self) -> ParallelLayout:
         """The ranks as tensor x pipeline x sequence x data parallel, with expert parallelism."""
         return ParallelLayout(
-            self.world_size, self.tensor_parallel, self.pipeline_parallel, self.expert_parallel, self.sequence_parallel
+            self.world_size,
+            self.tensor_parallel,
+            self.pipeline_parallel,
+            self.expert_parallel,
+            self.sequence_parallel,
+            components=self.parallel_components,
         )
 
 
@@ -283,10 +292,8 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
     if inputs.precision not in WORKING_BYTES:
         raise ConfigError(f"precision must be bf16, fp16 or fp32, got {inputs.precision!r}")
     layout = inputs.layout
-    check_layout(facts, layout)
+    check_layout(facts, layout, seq_len=inputs.seq_len, attention=inputs.attention)
     sp = layout.sequence
-    if sp > 1:
-        check_sequence_parallel(facts, sp, layout.tensor, inputs.seq_len, inputs.attention)
     bucket = inputs.bucket_elements or bucket_elements(facts.hidden_size)
     # TP splits the largest matrix too (the embedding is vocabulary-parallel); an upper bound under EP.
     largest = (facts.largest_layer_params or 0) // layout.tensor
@@ -332,14 +339,13 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
             fits_with = "none" if total <= usable else (ac if total_ckpt is not None and total_ckpt <= usable else None)
         else:  # activations unknown: model states and buffers only
             fits_with = "unknown activations" if base <= usable else None
-        # DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism".
-        pipeline_refuses = layout.pipeline > 1 and stage >= 2
-        fits = fits_with is not None and host_ok and not pipeline_refuses
+        refusal = stage_refusal(facts, layout, stage)  # e.g. DeepSpeed's pipeline engine: ZeRO 0-1 only
+        fits = fits_with is not None and host_ok and refusal is None
         note = ""
         if not host_ok:
             note = f"host RAM: needs {fmt_gb(host_node)} per node"
-        if pipeline_refuses:
-            note = "DeepSpeed's pipeline engine runs ZeRO 0-1 only"
+        if refusal:
+            note = refusal
         result.rows.append(
             Row(
                 stage=stage,
@@ -365,7 +371,7 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
             )
         )
         row = result.rows[-1]
-        if host_ok and not pipeline_refuses:
+        if host_ok and refusal is None:
             row.longest_seq_len = longest_sequence(facts, inputs, base, sp)
             row.longest_seq_len_without_sp = longest_sequence(facts, inputs, base, 1) if sp > 1 else row.longest_seq_len
     result.recommendation = recommend(result)
@@ -828,6 +834,7 @@ def _recipe_inputs(args: Any) -> tuple[ModelFacts, dict[str, Any]]:
         "lora_rank": cfg.get("lora_rank") if cfg.get("lora", True) else None,
         "expert_parallel": cfg.get("expert_parallel"),
         "sequence_parallel": cfg.get("sequence_parallel"),
+        "parallel_components": run.parallel_components,
     }
     ac = cfg.get("activation_checkpointing", "none")
     if ac and ac != "none":
@@ -886,6 +893,7 @@ def cmd_estimate(args: Any) -> int:
         sequence_parallel=recipe_defaults.get("sequence_parallel", 1)
         if args.sequence_parallel is None
         else args.sequence_parallel,
+        parallel_components=recipe_defaults.get("parallel_components", "any"),
     )
     result = plan(facts, inputs)
     print(to_json_text(result) if args.json else format_plan(result))

@@ -1,7 +1,8 @@
 """The NLP recipe's config: every key of ``configs/*.yaml``, checked when it is built.
 
-``train.py`` and ``train_accelerate.py`` read it with ``common.config.parse_recipe_args``; what the run does with
-it (data, model, loss, evaluation, run files, summary) is in ``pretraining.py``.
+``train.py``, ``train_accelerate.py`` and ``train_pipeline.py`` read it with ``common.config.parse_recipe_args``; what
+the run does with it (data, model, loss, evaluation, run files, summary) is in ``pretraining.py``, how its ranks
+split the model in ``nlp_layout.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from common.errors import ConfigError, nearest
 from common.presets import PRESET_NAMES
 from common.strategy import PRECISIONS
 from nlp.data import STDLIB
-from nlp.model import ATTENTION_CHOICES, LLAMA_SIZES
+from nlp.family import MODEL_SIZES, SHAPE_KEYS, ModelFamily, model_family, shape_overrides
+from nlp.model import ATTENTION_CHOICES
 from nlp.moe import MOE_SIZES
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_cpu.yaml"
@@ -50,7 +52,7 @@ class NLPConfig:
     preset: str = "nlp"  # ZeRO-3, stage3_param_persistence_threshold 1e6 (zero-recipes ls)
     precision: str = "bf16"  # bf16, fp16 or fp32 (fp32: exact arithmetic, used by the resume test)
     ds_overrides: list[str] = field(default_factory=list)  # DeepSpeed key=value, e.g. zero_optimization.stage=2
-    tensor_parallel: int = 1  # AutoTP: ranks that split every layer's matrices (Accelerate; ZeRO 0-2); DP = world / it
+    tensor_parallel: int = 1  # AutoTP: ranks that split every layer's matrices (Lightning, Accelerate; ZeRO 0-2)
     pipeline_parallel: int = 1  # pipeline stages, each holding a slice of the layers (train_pipeline.py; ZeRO 0-1)
     pipeline_micro_batches: int = 0  # micro-batches in flight per step (train_pipeline.py; 0: grad_accum's)
     expert_parallel: int = 1  # MoE models: ranks that split each MoE layer's experts (ZeRO 1-2); all-to-all per layer
@@ -69,7 +71,11 @@ class NLPConfig:
     weight_decay: float = 0.1
     warmup_steps: int = 30
     # --- model ---
-    model: str = "tiny"  # tiny|125m|1b|7b|moe_tiny|mixtral_8x7b (built from a config) or a local HF model folder
+    model: str = "tiny"  # tiny|125m|1b|7b|8b|moe_tiny|mixtral_8x7b (built from a config) or a local HF model folder
+    hidden_size: int = 0  # width on top of the named size (0: the size's own); parameters grow with its square
+    intermediate_size: int = 0  # MLP width (0: the size's own)
+    num_layers: int = 0  # depth (0: the size's own); parameters and activations grow with it
+    num_heads: int = 0  # attention heads (0: the size's own); must divide hidden_size
     moe_aux_loss_coef: float = 0.01  # MoE models: weight of the router's load-balancing loss added to the LM loss
     attention: str = "auto"  # auto|flash_attention_2|sdpa|eager (auto: FlashAttention-2 on a GPU when installed)
     seq_len: int = 256  # tokens per sequence: activations grow with it (attention scores with its square)
@@ -106,6 +112,7 @@ class NLPConfig:
             "max_val_tokens",
             "sample_tokens",
             "pipeline_micro_batches",
+            *SHAPE_KEYS,
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -118,12 +125,12 @@ class NLPConfig:
             )
         if self.attention not in ATTENTION_CHOICES:
             raise ConfigError(f"unknown attention {self.attention!r}{nearest(self.attention, ATTENTION_CHOICES)}")
-        sizes = [*LLAMA_SIZES, *MOE_SIZES]
-        if self.model not in sizes and not Path(self.model).expanduser().is_dir():
+        if self.model not in MODEL_SIZES and not Path(self.model).expanduser().is_dir():
             raise ConfigError(
-                f"model must be one of {', '.join(sizes)} or a local Hugging Face model folder; "
-                f"{self.model!r} is neither{nearest(self.model, sizes)}"
+                f"model must be one of {', '.join(MODEL_SIZES)} or a local Hugging Face model folder; "
+                f"{self.model!r} is neither{nearest(self.model, MODEL_SIZES)}"
             )
+        self.check_shape()
         if self.moe_aux_loss_coef < 0:
             raise ConfigError(f"moe_aux_loss_coef must be >= 0, got {self.moe_aux_loss_coef}")
         if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0 or self.weight_decay < 0:
@@ -141,10 +148,40 @@ class NLPConfig:
         if self.pipeline_micro_batches:  # the pipeline's name for gradient accumulation: one value from here on
             self.grad_accum = self.pipeline_micro_batches
 
+    def check_shape(self) -> None:
+        """Width and depth keys apply to a named size (a folder has its own config.json), and the hidden size must
+        split into the heads."""
+        given = [key for key in SHAPE_KEYS if getattr(self, key)]
+        if given and self.model not in MODEL_SIZES:
+            raise ConfigError(
+                f"{given[0]}={getattr(self, given[0])} sets the width or depth of a named size; model={self.model} is "
+                "a folder with its own config.json: set it to 0 or use a named size"
+            )
+        if self.model not in MODEL_SIZES:
+            return
+        shape = {**MODEL_SIZES[self.model], **self.shape_overrides}
+        hidden, heads = shape["hidden_size"], shape["num_attention_heads"]
+        if hidden % heads or heads % shape["num_key_value_heads"]:
+            fit = max(heads, hidden // heads * heads)
+            raise ConfigError(
+                f"hidden_size={hidden} does not split into the {heads} attention heads (and their "
+                f"{shape['num_key_value_heads']} key/value heads); use hidden_size={fit} or num_heads dividing {hidden}"
+            )
+
+    @property
+    def shape_overrides(self) -> dict[str, int]:
+        """The transformers config fields the width and depth keys set on top of the named size."""
+        return shape_overrides(self.model, **{key: getattr(self, key) for key in SHAPE_KEYS})
+
     @property
     def pretrained(self) -> Path | None:
         """The local model folder, or None for a named size built from a config."""
-        return None if self.model in LLAMA_SIZES or self.model in MOE_SIZES else Path(self.model).expanduser()
+        return None if self.model in MODEL_SIZES else Path(self.model).expanduser()
+
+    @property
+    def family(self) -> ModelFamily:
+        """What the loops call for the model (nlp/family.py): a dense Llama, or DeepSpeed-MoE with its aux loss."""
+        return model_family(self.model, self.moe_aux_loss_coef, self.expert_parallel)
 
     @property
     def tiled(self) -> bool:

@@ -25,7 +25,6 @@ run files and the summary in ``pretraining.py``, shared with ``train_accelerate.
 
 from __future__ import annotations
 
-import math
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -33,29 +32,23 @@ from pathlib import Path
 import lightning as L
 import torch
 from nlp_config import DEFAULT_CONFIG, NLPConfig  # next to this script
+from nlp_layout import measured_text, memory_plan, resume_point, run_layout, tokens_per_rank_step  # next to this
 from pretraining import (  # next to this script: data, model, loss, evaluation, run files, summary
-    MemoryPlan,
     NLPSummary,
+    RunRecord,
     build_model,
-    check_combinations,
-    check_mesh,
-    check_replica_batch,
-    data_parallel,
     describe,
     eval_batches,
     evaluate,
     finish,
     held_param_elements,
+    hidden_size,
     load_data,
     lr_lambda,
-    measured_text,
-    memory_plan,
     model_config,
     param_groups,
     resolve_ds_config,
-    resume_point,
     tokenizer_source,
-    tokens_per_rank_step,
     train_loader,
     train_loss,
     write_run_files,
@@ -69,6 +62,7 @@ from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
 from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce, grad_norm
+from common.parallel import check_mesh, check_replica_batch
 from common.resume import mark_universal, prepare_resume, with_universal_load
 from common.rundir import (
     MetricsLog,
@@ -91,34 +85,21 @@ warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is depre
 class CausalLM(L.LightningModule):
     """The training step, plus the run's bookkeeping at optimizer-step boundaries (log, evaluate, checkpoint).
 
+    ``run`` is what the end of the run reports (pretraining.RunRecord: the setup, and what the hooks measure);
     ``summary`` holds the run's summary on global rank 0 once training has ended; ``main()`` writes it.
     """
 
-    def __init__(
-        self,
-        cfg: NLPConfig,
-        model_config: object,
-        attention: str,
-        ds_config: dict,
-        data: LMData,
-        start_step: int,
-        clock: Clock,
-    ) -> None:
+    def __init__(self, run: RunRecord, data: LMData, start_step: int) -> None:
         super().__init__()
-        self.cfg, self.model_config, self.attention, self.ds_config = cfg, model_config, attention, ds_config
-        self.data, self.start_step, self.clock = data, start_step, clock
+        self.run, self.cfg, self.data, self.start_step = run, run.cfg, data, start_step
         self.model = None  # built in configure_model, inside ZeRO-3's partitioned construction
         mark_universal(self)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
         self.losses: list[torch.Tensor] = []
-        self.aux_losses: list[torch.Tensor] = []  # MoE: the routers' load-balancing loss, logged apart
-        self.log_file = MetricsLog(cfg.out_dir, enabled=is_launcher_rank_zero())
-        self.plan: MemoryPlan | None = None
-        self.held_at_construction = 0  # parameter elements this rank held right after construction
-        self.model_states: dict[str, int] = {}  # measured after the first step
-        self.val_loss = math.nan
+        self.aux_losses: list[torch.Tensor] = []  # a MoE model's load-balancing loss, logged apart
+        self.log_file = MetricsLog(run.cfg.out_dir, enabled=is_launcher_rank_zero())
         self.summary: NLPSummary | None = None
         self.sp: SequenceParallel | None = None  # this rank's sequence-parallel group, once DeepSpeed has built it
-        self.offload = checkpoint_offload() if cfg.offload_checkpoints else None  # common/activation.py
+        self.offload = checkpoint_offload() if run.cfg.offload_checkpoints else None  # common/activation.py
 
     def configure_model(self) -> None:
         # Lightning runs this inside deepspeed.zero.Init under stage 3, and the strategy keeps an HfDeepSpeedConfig
@@ -126,34 +107,34 @@ class CausalLM(L.LightningModule):
         # rank ever holds the whole model, and RoPE's frequencies stay fp32.
         if self.model is not None:
             return
-        self.model = build_model(self.cfg, self.model_config, self.attention, self.global_rank)  # MoE: its experts
-        self.held_at_construction = held_param_elements(self.model)
-        if self.cfg.sequence_parallel > 1:  # Ulysses: attention rerouted, and the groups for deepspeed.initialize
+        run, layout = self.run, self.run.layout
+        self.model = build_model(self.cfg, run.model_config, run.attention, layout.expert_rank(self.global_rank))
+        run.held_at_construction = held_param_elements(self.model)
+        if layout.sequence > 1:  # Ulysses: attention rerouted, and the groups for deepspeed.initialize
             self.trainer.strategy.mpu = sequence_parallel.register(
-                self.model, self.cfg.sequence_parallel, self.cfg.micro_batch_size, self.attention
+                self.model, layout.sequence, self.cfg.micro_batch_size, run.attention
             )
-        self.plan = memory_plan(
-            self.model, self.ds_config, self.trainer.world_size, self.cfg.tensor_parallel, self.cfg.expert_parallel
-        )
-        self.print(self.plan.text())
+        run.plan = memory_plan(self.model, run.ds_config, layout)
+        self.print(run.plan.text())
         self.print(
-            f"after construction rank 0 holds {self.held_at_construction:,} of "
-            f"{self.plan.num_params:,} parameter elements"
+            f"after construction rank 0 holds {run.held_at_construction:,} of "
+            f"{run.plan.num_params:,} parameter elements"
         )
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        dp_rank, dp_size = data_parallel(self.cfg, self.global_rank, self.trainer.world_size)
-        return train_loader(self.data, self.cfg, dp_rank, dp_size, self.start_step, full_length=True)
+        layout = self.run.layout  # every rank of a replica reads its batches
+        replica, replicas = layout.data_parallel_rank(self.global_rank), layout.data_parallel
+        return train_loader(self.data, self.cfg, replica, replicas, self.start_step, full_length=True)
 
     def configure_optimizers(self) -> dict:
-        groups = param_groups(self.model, self.cfg.weight_decay)
-        optimizer = make_optimizer(groups, self.ds_config, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        groups = param_groups(self.model, self.cfg)
+        optimizer = make_optimizer(groups, self.run.ds_config, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         if batch_idx == 0:
-            check_replica_batch(self.cfg, batch["input_ids"])
+            check_replica_batch(self.run.layout, batch["input_ids"])
         if self.offload is not None:  # left in on_after_backward: it must see the backward pass too
             self.offload.__enter__()
         total, loss, aux = train_loss(self.cfg, self.model, self.model, batch["input_ids"], batch["labels"], self.sp)
@@ -167,37 +148,38 @@ class CausalLM(L.LightningModule):
             self.offload.__exit__(None, None, None)
 
     def on_train_start(self) -> None:
-        cfg, strategy = self.cfg, self.trainer.strategy
+        cfg, strategy, layout = self.cfg, self.trainer.strategy, self.run.layout
         self.checkpointer = make_checkpointer(cfg, self.global_rank, self.trainer.world_size, strategy.barrier)
         self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
-        check_mesh(cfg, self.global_rank, self.trainer.world_size)
-        self.sp = sequence_parallel.this_rank(cfg.sequence_parallel, zero_stage(self.ds_config))
-        if cfg.tensor_parallel > 1:  # its check cannot read Lightning's batch dict: check_replica_batch instead
+        check_mesh(layout, self.global_rank)  # DeepSpeed's groups are those the layout's rank map assumed
+        self.sp = sequence_parallel.this_rank(layout.sequence, zero_stage(self.run.ds_config))
+        if layout.tensor > 1:  # its check cannot read Lightning's batch dict: check_replica_batch instead
             strategy.deepspeed_engine.first_dataloader_check.remove()
-        self.val_batches = eval_batches(self.data, cfg, *data_parallel(cfg, self.global_rank, self.trainer.world_size))
+        replica, replicas = layout.data_parallel_rank(self.global_rank), layout.data_parallel
+        self.val_batches = eval_batches(self.data, cfg, replica, replicas)
         if self.start_step == 0:
             self.evaluate_and_log(0)
-        self.clock.skip()
+        self.run.clock.skip()
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if len(self.losses) < self.cfg.grad_accum:
             return  # inside a gradient accumulation
-        cfg, step = self.cfg, self.trainer.global_step
-        self.clock.step_done()
+        cfg, step, clock = self.cfg, self.trainer.global_step, self.run.clock
+        clock.step_done()
         step_loss = torch.stack(self.losses).mean()
         step_aux = torch.stack(self.aux_losses).mean() if self.aux_losses else None
         self.losses.clear()
         self.aux_losses.clear()
         if step == self.start_step + 1:
-            self.model_states = model_state_bytes(self.trainer.strategy.model)
-            self.print(measured_text(self.model_states))
+            self.run.model_states = model_state_bytes(self.trainer.strategy.model)
+            self.print(measured_text(self.run.model_states))
             if self.offload is not None:
                 self.print(offload_text(self.offload.stats))
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
             loss = all_reduce(step_loss).item() / self.trainer.world_size
             self.log("loss", loss, prog_bar=True, logger=False)
-            tokens_per_s = tokens_per_rank_step(cfg) / self.clock.median_step()
+            tokens_per_s = tokens_per_rank_step(cfg, self.run.layout) / clock.median_step()
             moe = {} if step_aux is None else {"aux_loss": all_reduce(step_aux).item() / self.trainer.world_size}
             self.log_file.log(
                 step,
@@ -206,18 +188,19 @@ class CausalLM(L.LightningModule):
                 grad_norm=grad_norm(self.trainer.strategy.deepspeed_engine),
                 lr=cfg.lr * lr_lambda(cfg)(step - 1),
                 tokens_per_s_per_device=tokens_per_s,
-                elapsed_s=self.clock.wall(),
+                elapsed_s=clock.wall(),
             )
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
             self.evaluate_and_log(step)
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             self.save(step)
-        self.clock.skip()
+        clock.skip()
 
     def evaluate_and_log(self, step: int) -> None:
-        self.val_loss = evaluate(self.model, self.val_batches, self.device)
-        self.log_file.log(step, val_loss=self.val_loss, elapsed_s=self.clock.wall())
-        self.print(f"step {step}: val_loss {self.val_loss:.4f} ({self.clock.wall():.0f} s)")
+        wall = self.run.clock.wall
+        self.run.val_loss = evaluate(self.model, self.val_batches, self.device)
+        self.log_file.log(step, val_loss=self.run.val_loss, elapsed_s=wall())
+        self.print(f"step {step}: val_loss {self.run.val_loss:.4f} ({wall():.0f} s)")
 
     def save(self, step: int) -> None:
         # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
@@ -227,24 +210,8 @@ class CausalLM(L.LightningModule):
     def on_train_end(self) -> None:
         """Logits on a fixed batch, whole weights gathered (every rank), then final/; the summary is kept for main()."""
         self.checkpointer.finish()  # async_save: the last checkpoint written and published before the export
-        self.summary = finish(
-            self.cfg,
-            self.ds_config,
-            self.model,
-            self.data,
-            self.model_config,
-            self.attention,
-            self.device,
-            self.global_rank,
-            self.trainer.world_size,
-            self.clock,
-            backend="lightning",
-            steps=self.trainer.global_step,
-            val_loss=self.val_loss,
-            model_states=self.model_states,
-            plan=self.plan,
-            held_at_construction=self.held_at_construction,
-        )
+        self.run.steps = self.trainer.global_step
+        self.summary = finish(self.run, self.model, self.data, self.device, self.global_rank)
         self.log_file.close()
         self.trainer.strategy.barrier()
 
@@ -261,14 +228,15 @@ def main() -> None:
     rank0, out_dir = is_launcher_rank_zero(), Path(cfg.out_dir)
     if rank0:
         refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)  # before anything is read or written
+    ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
+    # How the ranks split the model (data parallel unless tensor/expert/sequence_parallel is set): refused here if bad.
+    layout = run_layout(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
     # A different model or config, no complete checkpoint: refused; another data-parallel size: a universal checkpoint.
-    resume = resume_point(cfg, world_size)
+    resume = resume_point(cfg, layout)
     start_step = resume.step if resume else 0
     trained_tokenizer = tokenizer_source(cfg, trained_here=False) is None
     data = load_data(cfg, tokenizer_source(cfg, trained_here=cfg.resume or not rank0), world_size)
     config = model_config(cfg, data.tokenizer)
-    ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
-    check_combinations(cfg, world_size, config, ds_config)
     attention = resolve_attention(cfg.attention, "cuda" if on_gpu else "cpu", torch_dtype(cfg.precision))
     if rank0:
         prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
@@ -279,7 +247,7 @@ def main() -> None:
         if resume:  # before Lightning starts ranks 1..: they find a universal conversion in place
             prepare_resume(resume, config_to_dict(cfg))
 
-    module = CausalLM(cfg, config, attention, ds_config, data, start_step, clock)
+    module = CausalLM(RunRecord(cfg, ds_config, layout, config, attention, "lightning", clock), data, start_step)
     load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",

@@ -20,7 +20,6 @@ files and the summary in ``pretraining.py``.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import warnings
 from datetime import timedelta
@@ -29,11 +28,10 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from nlp_config import DEFAULT_CONFIG, NLPConfig  # next to this script
+from nlp_layout import measured_text, memory_plan, resume_point, run_layout, tokens_per_rank_step  # next to this
 from pretraining import (  # next to this script: data, model, loss, evaluation, run files, summary
+    RunRecord,
     build_model,
-    check_combinations,
-    check_mesh,
-    data_parallel,
     describe,
     eval_batches,
     evaluate,
@@ -42,14 +40,10 @@ from pretraining import (  # next to this script: data, model, loss, evaluation,
     hidden_size,
     load_data,
     lr_lambda,
-    measured_text,
-    memory_plan,
     model_config,
     param_groups,
     resolve_ds_config,
-    resume_point,
     tokenizer_source,
-    tokens_per_rank_step,
     train_loader,
     train_loss,
     write_run_files,
@@ -63,6 +57,7 @@ from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce, grad_norm
+from common.parallel import check_mesh
 from common.resume import (
     mark_universal,
     param_groups_kept,
@@ -88,9 +83,10 @@ def main() -> None:
     refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)
     # --- DeepSpeed through Accelerate: the factory's dict, with ZeRO-3's partitioned construction turned on ---
     ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
-    check_combinations(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
+    # How the ranks split the model (data parallel unless tensor/expert/sequence_parallel is set): refused here if bad.
+    layout = run_layout(cfg, world_size, model_config(cfg, tokenizer=None), ds_config)
     # A different model or config, no complete checkpoint: refused; another data-parallel size: a universal checkpoint.
-    resume = resume_point(cfg, world_size)
+    resume = resume_point(cfg, layout)
     start_step = resume.step if resume else 0
     load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
     accelerator_args = accelerator_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s))
@@ -120,20 +116,19 @@ def main() -> None:
     # --- model: built inside zero.Init (the plugin's zero3_init_flag), so no rank holds it whole ---
     config = model_config(cfg, data.tokenizer)
     attention = resolve_attention(cfg.attention, device.type, torch_dtype(cfg.precision))
-    model = build_model(cfg, config, attention, rank)  # MoE: this rank's experts
+    model = build_model(cfg, config, attention, layout.expert_rank(rank))  # MoE: this rank's experts
     mark_universal(model)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
-    held = held_param_elements(model)
-    plan = memory_plan(model, ds_config, world_size, cfg.tensor_parallel, cfg.expert_parallel)
+    run = RunRecord(cfg, ds_config, layout, config, attention, "accelerate", clock)  # what finish() reports
+    held = run.held_at_construction = held_param_elements(model)
+    run.plan = memory_plan(model, ds_config, layout)
     if main_process:
-        print(plan.text())
-        print(f"after construction rank 0 holds {held:,} of {plan.num_params:,} parameter elements", flush=True)
-    optimizer = make_optimizer(
-        param_groups(model, cfg.weight_decay), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay
-    )
+        print(run.plan.text())
+        print(f"after construction rank 0 holds {held:,} of {run.plan.num_params:,} parameter elements", flush=True)
+    optimizer = make_optimizer(param_groups(model, cfg), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay)
     # A plain LambdaLR stepped once per optimizer step (a prepared scheduler would step once per process).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, optimizer = accelerator.prepare(model, optimizer)
-    check_mesh(cfg, rank, world_size)  # tensor/expert parallel: the groups data_parallel() and build_model assumed
+    check_mesh(layout, rank)  # tensor/expert parallel: DeepSpeed's groups are those the layout's rank map assumed
     sp = sequence_parallel.this_rank(cfg.sequence_parallel, zero_stage(ds_config))  # None unless sequence parallel
     accelerator.register_for_checkpointing(scheduler)
     checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
@@ -142,14 +137,13 @@ def main() -> None:
     if resume:
         with param_groups_kept(optimizer):  # DeepSpeed's ZeRO-3 universal load flattens the groups' settings
             accelerator.load_state(str(resume.load_path))
-    # Not prepared: StepSampler already gives each rank its slice, in an order fixed by (seed, step).
-    # Tensor parallel: every rank of a replica reads the replica's batches (DeepSpeed checks the first one).
-    dp_rank, dp_size = data_parallel(cfg, rank, world_size)
-    loader = train_loader(data, cfg, dp_rank, dp_size, start_step)
-    val_batches = eval_batches(data, cfg, dp_rank, dp_size)
+    # Not prepared: StepSampler already gives each replica its slice, in an order fixed by (seed, step). Without
+    # tensor or sequence parallelism a replica is a rank; with them every rank of a replica reads its batches.
+    replica, replicas = layout.data_parallel_rank(rank), layout.data_parallel
+    loader = train_loader(data, cfg, replica, replicas, start_step)
+    val_batches = eval_batches(data, cfg, replica, replicas)
     log = MetricsLog(out_dir, enabled=main_process)
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not main_process, dynamic_ncols=True)
-    val_loss, model_states = math.nan, {}
 
     def say(text: str) -> None:  # rank 0 only, without breaking the progress bar
         if main_process:
@@ -162,16 +156,16 @@ def main() -> None:
         return loss
 
     # --- training ---
-    tokens_per_step = tokens_per_rank_step(cfg)  # per device
+    tokens_per_step = tokens_per_rank_step(cfg, layout)  # per device
     if start_step == 0:
-        val_loss = run_eval(0)
+        run.val_loss = run_eval(0)
     engine.train()
     step, losses, aux_losses = start_step, [], []
     clock.skip()
     offload = checkpoint_offload() if cfg.offload_checkpoints else contextlib.nullcontext()
     for batch in loader:
         with accelerator.accumulate(engine), offload:  # offload: around the forward and the backward pass
-            # MoE: the routers' load-balancing loss is added to the LM loss (and logged apart).
+            # A MoE model adds its routers' load-balancing loss to the LM loss (logged apart); a dense one nothing.
             total, loss, aux = train_loss(
                 cfg, engine, engine.module, batch["input_ids"].to(device), batch["labels"].to(device), sp
             )
@@ -192,8 +186,8 @@ def main() -> None:
         aux_losses.clear()
         bar.update(1)
         if step == start_step + 1:
-            model_states = model_state_bytes(engine)
-            say(measured_text(model_states))
+            run.model_states = model_state_bytes(engine)
+            say(measured_text(run.model_states))
             if cfg.offload_checkpoints:
                 say(offload_text(offload.stats))
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
@@ -212,7 +206,7 @@ def main() -> None:
                 elapsed_s=clock.wall(),
             )
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
-            val_loss = run_eval(step)
+            run.val_loss = run_eval(step)
             engine.train()
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards (and the scheduler, RNG) into a temporary folder; rank 0 publishes it.
@@ -223,24 +217,8 @@ def main() -> None:
     checkpointer.finish()  # async_save: the last checkpoint written and published before the export
 
     # --- export: logits on a fixed batch and whole weights (collective), then final/ and its check on rank 0 ---
-    summary = finish(
-        cfg,
-        ds_config,
-        engine.module,
-        data,
-        config,
-        attention,
-        device,
-        rank,
-        world_size,
-        clock,
-        backend="accelerate",
-        steps=step,
-        val_loss=val_loss,
-        model_states=model_states,
-        plan=plan,
-        held_at_construction=held,
-    )
+    run.steps = step
+    summary = finish(run, engine.module, data, device, rank)
     log.close()
     if summary is not None:
         write_json_atomic(out_dir / "summary.json", summary.to_json())

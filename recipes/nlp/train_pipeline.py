@@ -6,8 +6,8 @@ Launch, from the repository root (any launcher that sets RANK, WORLD_SIZE, MASTE
     torchrun --nproc_per_node 4 recipes/nlp/train_pipeline.py pipeline_parallel=2 preset=deepspeed_stage_1 \\
         pipeline_micro_batches=4                                                        # 2 stages x 2 replicas
     deepspeed --no_local_rank --num_gpus 8 recipes/nlp/train_pipeline.py --config recipes/nlp/configs/llama_1b.yaml \\
-        pipeline_parallel=4 preset=deepspeed_stage_1 grad_accum=1 pipeline_micro_batches=16 \\
-        activation_checkpointing=full                                                   # 8 GPUs: 4 stages x 2
+        pipeline_parallel=2 preset=deepspeed_stage_1 grad_accum=1 pipeline_micro_batches=16 \\
+        activation_checkpointing=full                                                   # 8 GPUs: 2 stages x 4
     python recipes/nlp/train_pipeline.py preset=deepspeed_stage_1                       # one process, one stage
 
 Lightning and Accelerate drive a plain DeepSpeed engine, so pipeline parallelism has a loop of its own: the same
@@ -15,9 +15,10 @@ Llama (``build_model``, so the same initial weights) is cut into a list of layer
 norm + output layer), ``deepspeed.pipe.PipelineModule`` gives each stage its share of the decoder layers
 (embedding on the first stage, output layer and loss on the last), and ``engine.train_batch()`` runs one optimizer
 step of ``pipeline_micro_batches`` micro-batches through the 1F1B schedule. World size = pipeline_parallel x data
-parallel; every data-parallel replica reads its own shard (``data_parallel``). DeepSpeed refuses ZeRO-2 and ZeRO-3
-with its pipeline engine: use ``preset=deepspeed_stage_1`` (or stage 0). ``activation_checkpointing=full`` (or
-``every_k``) becomes PipelineModule's ``activation_checkpoint_interval`` 1 (or 2).
+parallel, and pipeline_parallel divides the decoder layers (stages of equal depth: llama_1b's 22 take 2 or 11); every
+data-parallel replica reads its own shard (the layout's ``data_parallel_rank``, nlp_layout.py). DeepSpeed refuses
+ZeRO-2 and ZeRO-3 with its pipeline engine: use ``preset=deepspeed_stage_1`` (or stage 0).
+``activation_checkpointing=full`` (or ``every_k``) becomes PipelineModule's ``activation_checkpoint_interval`` 1 (2).
 
 Keys, run directory and ``summary.json`` are those of train.py; ``summary.json`` adds ``pipeline`` (stages,
 micro-batches, the parameter bytes each rank holds). checkpoints/ hold DeepSpeed's pipeline files
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import socket
 import warnings
@@ -43,26 +43,32 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from nlp_config import DEFAULT_CONFIG, NLPConfig  # next to this script
-from pretraining import (  # next to this script: data, model, loss, evaluation, run files, summary
+from nlp_layout import (  # next to this script: the run's layout, what crosses the pipeline's stages
     PIPELINE_CHECKPOINT_INTERVAL,
+    evaluate_pipeline,
+    gather_pipeline_state_dict,
+    measured_text,
+    memory_plan,
+    micro_batches,
+    pipeline_logits,
+    resume_point,
+    run_layout,
+    tokens_per_rank_step,
+)
+from pretraining import (  # next to this script: data, model, loss, evaluation, run files, summary
+    RunRecord,
     build_model,
-    check_pipeline_parallel,
-    data_parallel,
     describe,
     eval_batches,
     final_export,
     hidden_size,
     load_data,
     lr_lambda,
-    measured_text,
-    memory_plan,
     model_config,
     param_groups,
     resolve_ds_config,
-    resume_point,
     summarize,
     tokenizer_source,
-    tokens_per_rank_step,
     train_loader,
     write_run_files,
 )
@@ -71,8 +77,9 @@ from tqdm.auto import tqdm
 from common.accounting import model_state_bytes
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
-from common.errors import ConfigError, exit_on_user_error
+from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce, peak_memory_bytes
+from common.parallel import check_mesh
 from common.resume import prepare_resume
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
 from common.strategy import make_optimizer, torch_dtype
@@ -149,48 +156,6 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def micro_batches(batches: Any) -> Any:
-    """(inputs, labels) pairs, the form the engine reads: the first stage takes inputs, the last labels."""
-    for batch in batches:
-        if isinstance(batch, dict):
-            yield batch["input_ids"], batch["labels"]
-        else:  # a validation block [b, seq_len + 1]
-            yield batch[:, :-1], batch[:, 1:]
-
-
-def evaluate_pipeline(engine: Any, batches: list[torch.Tensor], micro_batch_size: int) -> float:
-    """Mean validation loss over every replica's full micro-batches (the engine's buffers have one shape: a shorter
-    last micro-batch is left out), computed on the last stage and broadcast to every stage."""
-    full = [b for b in batches if b.shape[0] == micro_batch_size]
-    loss = engine.eval_batch(iter(micro_batches(full)), num_micro_batches=len(full))
-    return float(loss)
-
-
-def gather_pipeline_state_dict(engine: Any, rank: int) -> dict[str, torch.Tensor] | None:
-    """Whole weights on rank 0 under their Hugging Face names, one stage's layers from each stage (every rank calls
-    it; replica 0's ranks send). None on the other ranks."""
-    mine: dict[str, torch.Tensor] = {}
-    if engine.grid.get_data_parallel_rank() == 0:
-        for layer in engine.module.forward_funcs:
-            if hasattr(layer, "hf_state_dict"):
-                mine |= {k: v.detach().to("cpu", copy=True) for k, v in layer.hf_state_dict().items()}
-    parts = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if rank == 0 else None
-
-
-def pipeline_logits(engine: Any, fixed: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The trained pipeline's logits on ``fixed`` (one micro-batch), sent from replica 0's last stage to every rank."""
-    _, logits = engine.eval_batch(iter(micro_batches([fixed])), return_logits=True, num_micro_batches=1)
-    src = engine.grid.stage_to_global(engine.num_stages - 1, data=0)
-    mine = list(logits.shape) if engine.global_rank == src else [0, 0, 0]
-    shape = torch.tensor(mine, dtype=torch.long, device=device)
-    dist.broadcast(shape, src)
-    out = logits.float().contiguous() if engine.global_rank == src else torch.empty(*shape.tolist(), device=device)
-    dist.broadcast(out, src)
-    return out.cpu()
-
-
 @exit_on_user_error(DataError, ModelError)
 def main() -> None:
     cfg = parse_recipe_args(NLPConfig, DEFAULT_CONFIG, describe=functools.partial(describe, pipeline_engine=True))
@@ -208,15 +173,10 @@ def main() -> None:
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)
     ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
-    check_pipeline_parallel(cfg, world_size, model_config(cfg, tokenizer=None), ds_config, pipeline_engine=True)
-    # A different model or config (pipeline_parallel too), no complete checkpoint: refused by resume_point().
-    resume = resume_point(cfg, world_size)
-    if resume and resume.universal:
-        raise ConfigError(
-            f"resume on train_pipeline.py needs the data-parallel size the checkpoint was written with "
-            f"({resume.saved_world_size}, now {world_size // cfg.pipeline_parallel}): a universal conversion of "
-            "pipeline checkpoints is not supported here"
-        )
+    # Stages x data-parallel replicas, refused here if bad (ZeRO 2-3, more stages than layers, ...).
+    layout = run_layout(cfg, world_size, model_config(cfg, tokenizer=None), ds_config, pipeline_engine=True)
+    # A different model or config (pipeline_parallel too), no complete checkpoint, another data-parallel size: refused.
+    resume = resume_point(cfg, layout, pipeline_engine=True)
     start_step = resume.step if resume else 0
     on_gpu = torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank}" if on_gpu else "cpu")
@@ -245,7 +205,8 @@ def main() -> None:
     attention = resolve_attention(cfg.attention, device.type, torch_dtype(cfg.precision))
     # Without transformers-level checkpointing: PipelineModule checkpoints its layers itself.
     model = build_model(dataclasses.replace(cfg, activation_checkpointing="none"), config, attention)
-    plan = memory_plan(model, ds_config, world_size, pipeline_parallel=cfg.pipeline_parallel)
+    run = RunRecord(cfg, ds_config, layout, config, attention, "deepspeed_pipeline", clock, steps=cfg.max_steps)
+    run.plan = memory_plan(model, ds_config, layout)
     pipe = deepspeed.pipe.PipelineModule(
         layers=pipeline_layers(model, attention),
         num_stages=cfg.pipeline_parallel,
@@ -256,36 +217,25 @@ def main() -> None:
         # (reentrant) checkpoint then returns activations without one ("loss must be a scalar tensor" in backward).
         checkpointable_layers=["DecoderLayer"],
     )
-    held = sum(p.numel() for p in pipe.parameters())
+    held = run.held_at_construction = sum(p.numel() for p in pipe.parameters())
     del model  # the other stages' layers are freed with it
     if main_process:
-        print(plan.text())
-        print(f"after construction rank 0 holds {held:,} of {plan.num_params:,} parameter elements", flush=True)
-    optimizer = make_optimizer(
-        param_groups(pipe, cfg.weight_decay), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay
-    )
+        print(run.plan.text())
+        print(f"after construction rank 0 holds {held:,} of {run.plan.num_params:,} parameter elements", flush=True)
+    optimizer = make_optimizer(param_groups(pipe, cfg), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-    dp_rank, dp_size = data_parallel(cfg, rank, world_size)
-    grid = (
-        engine.grid.get_stage_id(),
-        engine.grid.get_data_parallel_rank(),
-        engine.grid.get_data_parallel_world_size(),
-    )
-    if grid != (rank // dp_size, dp_rank, dp_size):  # else every replica would train on the wrong batches
-        raise RuntimeError(f"rank {rank}: the pipeline grid gives (stage, dp rank, dp size) {grid}")
+    check_mesh(layout, rank, engine)  # the grid's stages and replicas are those the layout's rank map assumed
     checkpointer = make_checkpointer(cfg, rank, world_size, dist.barrier)
     checkpointer.install(engine)
     if resume:  # each rank its stage's layers and optimizer shard; the scheduler is in the engine's files
         engine.load_checkpoint(str(resume.load_path))
 
-    loader = train_loader(data, cfg, dp_rank, dp_size, start_step)
-    batches = micro_batches(loader)  # train_batch() pulls grad_accum micro-batches a step
-    val_batches = eval_batches(data, cfg, dp_rank, dp_size)
+    replica, replicas = layout.data_parallel_rank(rank), layout.data_parallel  # every stage reads its replica's
+    batches = micro_batches(train_loader(data, cfg, replica, replicas, start_step))  # grad_accum a train_batch()
+    val_batches = eval_batches(data, cfg, replica, replicas)
     log = MetricsLog(out_dir, enabled=main_process)
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not main_process, dynamic_ncols=True)
-    model_states: dict[str, int] = {}
-    val_loss = math.nan
 
     def run_eval(step: int) -> float:
         loss = evaluate_pipeline(engine, val_batches, cfg.micro_batch_size)
@@ -295,18 +245,18 @@ def main() -> None:
         return loss
 
     # --- training: one train_batch() = one optimizer step over grad_accum micro-batches in flight ---
-    tokens_per_step = tokens_per_rank_step(cfg)  # per device
+    tokens_per_step = tokens_per_rank_step(cfg, layout)  # per device
     if start_step == 0:
-        val_loss = run_eval(0)
+        run.val_loss = run_eval(0)
     clock.skip()
     for step in range(start_step + 1, cfg.max_steps + 1):
         loss = engine.train_batch(data_iter=batches)  # the mean over micro-batches and replicas, on every stage
         clock.step_done()
         bar.update(1)
         if step == start_step + 1:
-            model_states = model_state_bytes(engine)
+            run.model_states = model_state_bytes(engine)
             if main_process:
-                bar.write(measured_text(model_states))
+                bar.write(measured_text(run.model_states))
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             bar.set_postfix(loss=f"{loss.item():.3f}")
             log.log(
@@ -317,7 +267,7 @@ def main() -> None:
                 elapsed_s=clock.wall(),
             )
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
-            val_loss = run_eval(step)
+            run.val_loss = run_eval(step)
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its stage's layers and optimizer shard; rank 0 publishes the folder.
             checkpointer.save(step, lambda folder: engine.save_checkpoint(str(folder)))
@@ -331,25 +281,20 @@ def main() -> None:
     logits = pipeline_logits(engine, fixed, device)
     state = gather_pipeline_state_dict(engine, rank)
     params_bytes = torch.zeros(world_size, dtype=torch.float64)
-    params_bytes[rank] = model_states.get("params", 0)
+    params_bytes[rank] = run.model_states.get("params", 0)
     all_reduce(params_bytes)
     peak = int(all_reduce(torch.tensor(float(peak_memory_bytes()), device=device), "max").item())
     if main_process:
-        model = build_model_from_config(config, attn_implementation=attention)  # a skeleton for save_pretrained
-        export_check, sample = final_export(
-            model, state, data.tokenizer, out_dir, fixed, logits, cfg, attention, device
-        )
-        layout = {
-            "stages": cfg.pipeline_parallel,
-            "data_parallel": dp_size,
+        skeleton = build_model_from_config(config, attn_implementation=attention)  # what save_pretrained fills
+        export_check, sample = final_export(run, skeleton, state, data.tokenizer, fixed, logits, device)
+        pipeline = {
+            "stages": layout.pipeline,
+            "data_parallel": layout.data_parallel,
             "micro_batches": cfg.grad_accum,
             "activation_checkpoint_interval": PIPELINE_CHECKPOINT_INTERVAL[cfg.activation_checkpointing],
             "params_bytes_per_rank": [int(b) for b in params_bytes.tolist()],
         }
-        summary = summarize(
-            cfg, ds_config, data, config, attention, world_size, clock, "deepspeed_pipeline", cfg.max_steps, val_loss,
-            model_states, plan, held, peak, export_check, sample, pipeline=layout,
-        )  # fmt: skip
+        summary = summarize(run, data, peak, export_check, sample, pipeline)
         write_json_atomic(out_dir / "summary.json", summary.to_json())
         print(summary.headline(out_dir), flush=True)
     log.close()

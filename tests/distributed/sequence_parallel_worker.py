@@ -4,7 +4,8 @@ Adam divides the gradient by its own running scale, so a loss that is N times to
 SGD without clipping moves the weights by exactly the gradient, so every step's loss shows a wrong scale. Each ZeRO
 stage trains a fresh tiny Llama (same seed) for ``STEPS`` steps on fixed sequences with the project's sequence-parallel
 loss (``common.sequence_parallel.lm_loss``), and records every step's whole-sequence loss and DeepSpeed's gradient
-norm. With ``--sequence-parallel 1`` the same loop is the reference; the test compares the two.
+norm, and the loss on one fixed probe batch before and after training (whole sequences, in eval mode, where Ulysses
+steps aside). With ``--sequence-parallel 1`` the same loop is the reference; the test compares the two.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/sequence_parallel_worker.py \
         --sequence-parallel 2 --out OUT [--documented-loss]
@@ -73,6 +74,15 @@ def documented_loss(engine, input_ids: torch.Tensor, labels: torch.Tensor, sp) -
     return total, total.detach()
 
 
+def probe_loss(engine, block: torch.Tensor) -> float:
+    """The loss on ``block`` (whole sequences, every rank: ZeRO-3's forward is collective), without training."""
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=block[:, :-1], use_cache=False).logits
+    engine.train()
+    return float(F.cross_entropy(logits.float().flatten(0, 1), block[:, 1:].flatten()))
+
+
 def train(stage: int, sp_size: int, documented: bool = False) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     net = model()
@@ -85,6 +95,8 @@ def train(stage: int, sp_size: int, documented: bool = False) -> dict:
     data = torch.randint(
         0, VOCAB, (STEPS * replicas * MICRO_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1)
     )
+    probe = data[:MICRO_BATCH]  # the first step's batch of the first replica: one fixed batch for every run
+    before = probe_loss(engine, probe)
     losses, norms = [], []
     for step in range(STEPS):
         first = (step * replicas + replica) * MICRO_BATCH
@@ -102,11 +114,12 @@ def train(stage: int, sp_size: int, documented: bool = False) -> dict:
         torch.distributed.all_reduce(mean)  # each replica's loss counted once per rank of its group
         losses.append(float(mean) / world)
         norms.append(float(engine.get_global_grad_norm()))
+    after = probe_loss(engine, probe)
     engine.destroy()
     if mpu is not None:  # the next stage registers again: undo this one's wrapper and groups
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
         parallel_state_sp._release_sequence_parallel_groups()
-    return {"losses": losses, "grad_norms": norms}
+    return {"losses": losses, "grad_norms": norms, "probe_loss": [before, after]}
 
 
 def main() -> None:

@@ -20,6 +20,9 @@ pytestmark = pytest.mark.slow
 
 WORKER = REPO / "tests" / "distributed" / "sequence_parallel_worker.py"
 STAGES = ("stage1", "stage2", "stage3")
+# The fixed probe batch's loss must fall at least this much over the 4 SGD steps. Measured: 4.169 -> 4.030 (3.3 %) on
+# 1 and 2 ranks, 4.025 (3.4 %) on 2 and 4, at every stage; with LR = 0 in the worker it stays at 4.169 and fails.
+MIN_DROP = 0.01
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,10 @@ def test_sequence_parallel_has_the_reference_losses_and_gradient_norms(results, 
     found, expected = results[run_name][stage], results[reference][stage]
     assert_close(found["grad_norms"], expected["grad_norms"], f"{run_name} {stage} gradient norm")
     assert_close(found["losses"], expected["losses"], f"{run_name} {stage} loss")
-    assert expected["losses"][-1] != expected["losses"][0]  # it trained
+    # It trained: the loss on one fixed probe batch went down (step 1's and step 4's losses are other batches).
+    for result in (found, expected):
+        before, after = result["probe_loss"]
+        assert after <= (1 - MIN_DROP) * before, (run_name, stage, result["probe_loss"])
 
 
 @pytest.mark.parametrize("stage", STAGES)

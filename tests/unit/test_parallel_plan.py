@@ -1,4 +1,4 @@
-"""Tensor, pipeline and expert parallelism in the planner and the linter (issue 18).
+"""Tensor, pipeline and expert parallelism in the planner and the linter.
 
 Parameter counts are summed by hand from each config's shapes; activations come from Korthikanti et al. 2022
 (arXiv:2205.05198): eq. 2 for tensor parallelism, section 4.2.3 for the pipeline's first stage.
@@ -180,12 +180,24 @@ def test_first_pipeline_stage_with_full_checkpointing():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--params", "6.7e9", "--gpus", "6", "--tensor-parallel", "4"], "6 ranks do not split into tensor 4"),
-        (["--params", "6.7e9", "--gpus", "8", "--pipeline-parallel", "3", "--nodes", "3"], "32 layers do not split"),
-        (["--params", "6.7e9", "--gpus", "6", "--tensor-parallel", "3"], "32 attention heads do not split"),
-        (["llama", "--gpus", "8", "--expert-parallel", "2"], "on a model without experts"),
-        (["mixtral", "--gpus", "8", "--nodes", "3", "--expert-parallel", "3"], "4 experts do not split"),
-        (["mixtral", "--gpus", "8", "--tensor-parallel", "4", "--expert-parallel", "4"], "does not divide the data"),
+        (["--params", "6.7e9", "--gpus", "6", "--tensor-parallel", "4"], "--tensor-parallel 4 does not divide the 6"),
+        (
+            ["--params", "6.7e9", "--gpus", "8", "--pipeline-parallel", "3", "--nodes", "3"],
+            "--pipeline-parallel 3 does not split the model's 32 layers",
+        ),
+        (
+            ["--params", "6.7e9", "--gpus", "6", "--tensor-parallel", "3"],
+            "--tensor-parallel 3 does not divide the model's 32 attention heads",
+        ),
+        (["llama", "--gpus", "8", "--expert-parallel", "2"], "--expert-parallel 2 needs a model with experts"),
+        (
+            ["mixtral", "--gpus", "8", "--nodes", "3", "--expert-parallel", "3"],
+            "--expert-parallel 3 does not divide the model's 4 experts",
+        ),
+        (
+            ["mixtral", "--gpus", "4", "--tensor-parallel", "2", "--expert-parallel", "4"],
+            "--expert-parallel 4 does not divide the data-parallel degree 2",
+        ),
     ],
     ids=["world-tp", "layers-pp", "heads-tp", "ep-dense", "experts-ep", "dp-ep"],
 )

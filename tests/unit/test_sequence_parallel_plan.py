@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (issue 21) in the planner's layout, `zero-recipes estimate` and `zero-recipes probe`.
+"""Ulysses sequence parallelism in the planner's layout, `zero-recipes estimate` and `zero-recipes probe`.
 
 The activation formula itself is checked against autograd in tests/unit/test_sequence_parallel_activations.py; here
 the layout arithmetic (DP = world / (TP x PP x SP), ZeRO over DP x SP), the longest-sequence search, the command's
@@ -17,14 +17,8 @@ import pytest
 import yaml
 
 from common.errors import ConfigError
-from common.memory_formulas import (
-    USABLE_FRACTION,
-    ModelFacts,
-    ParallelLayout,
-    check_layout,
-    facts_from_hf_config,
-    pipeline_activations,
-)
+from common.memory_formulas import USABLE_FRACTION, ModelFacts, facts_from_hf_config, pipeline_activations
+from common.parallel import ParallelLayout, check_layout
 from common.tools import memory, probe
 from common.tools.cli import main as cli_main
 from common.tools.memory import PlanInputs
@@ -125,7 +119,7 @@ def test_estimate_without_sp_prints_no_longest_sequence_block_but_has_it_in_json
     [
         (["--gpus", "6", "--sequence-parallel", "3"], "--sequence-parallel 3 does not divide the 32 attention heads"),
         (["--gpus", "8", "--sequence-parallel", "8", "--seq-len", "4100"], "--seq-len 4100 is not divisible by"),
-        (["--gpus", "4", "--sequence-parallel", "8"], "4 ranks do not split into tensor 1 x pipeline 1 x sequence 8"),
+        (["--gpus", "4", "--sequence-parallel", "8"], "--sequence-parallel 8 does not divide the 4 rank(s)"),
         (["--gpus", "8", "--sequence-parallel", "8", "--attention", "eager"], "refuses eager"),
         (["--gpus", "8", "--sequence-parallel", "0"], "--sequence-parallel must be >= 1"),
     ],
