@@ -54,7 +54,8 @@ from common.communication import (  # noqa: E402
     setup_from_ds_config,
 )
 from common.errors import exit_on_user_error  # noqa: E402
-from common.memory_formulas import ModelFacts, ParallelLayout  # noqa: E402
+from common.memory_formulas import ModelFacts  # noqa: E402
+from common.parallel import ParallelLayout  # noqa: E402
 from common.tools.comms_log import comms_log_env, median_step, read_comms_log  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "communication.json"

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import ConfigError, nearest
-from common.memory_formulas import WORKING_BYTES, ModelFacts, ParallelLayout, rank_params
+from common.memory_formulas import WORKING_BYTES, ModelFacts
+from common.parallel import ParallelLayout, rank_params
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "point_to_point")
 SCOPES = ("intra_node", "inter_node")

@@ -13,7 +13,8 @@ from typing import Any
 from common.communication import plan_communication, setup_from_ds_config
 from common.config import dump_yaml
 from common.describe import RecipeDescription
-from common.memory_formulas import ParallelLayout, link_seconds_range, offload_traffic
+from common.memory_formulas import link_seconds_range, offload_traffic
+from common.parallel import ParallelLayout
 from common.tools.comms_log import median_step, read_comms_log, steady_steps
 from common.tools.recipes import describe
 

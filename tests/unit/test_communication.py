@@ -22,7 +22,8 @@ from common.communication import (
     suggested_bucket_elements,
 )
 from common.errors import ConfigError
-from common.memory_formulas import ModelFacts, ParallelLayout, assumed_transformer
+from common.memory_formulas import ModelFacts, assumed_transformer
+from common.parallel import ParallelLayout
 
 # A model of five parameters in forward order: two matrices of 1000, two norms of 10 and a head of 501 elements.
 NUMELS = (1000, 10, 1000, 10, 501)
