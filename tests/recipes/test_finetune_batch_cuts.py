@@ -91,17 +91,25 @@ def make_base(folder) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """``runs(name)``: the run's folder (launched on first use, on one base model and data file)."""
     root = tmp_path_factory.mktemp("finetune_cuts")
     make_base(root / "base")
     write_variable_length_data(root / "data.jsonl")
-    for name, (entry, processes, micro, accum) in RUNS.items():
-        args = [f"out_dir={root / name}", f"model={root / 'base'}", f"data={root / 'data.jsonl'}", *TINY_FP32]
-        args += [f"micro_batch_size={micro}", f"grad_accum={accum}"]
-        if entry == "accelerate":
-            accelerate_launch(FINETUNE_ACCELERATE, args, RECIPE / "accelerate_finetune.yaml", num_processes=processes)
-        else:
-            run([PYTHON, FINETUNE, f"devices={processes}", *args], timeout=600)
-    return root
+
+    def get(name: str):
+        out_dir = root / name
+        if not out_dir.is_dir():
+            entry, processes, micro, accum = RUNS[name]
+            args = [f"out_dir={out_dir}", f"model={root / 'base'}", f"data={root / 'data.jsonl'}", *TINY_FP32]
+            args += [f"micro_batch_size={micro}", f"grad_accum={accum}"]
+            if entry == "accelerate":
+                config = RECIPE / "accelerate_finetune.yaml"
+                accelerate_launch(FINETUNE_ACCELERATE, args, config, num_processes=processes)
+            else:
+                run([PYTHON, FINETUNE, f"devices={processes}", *args], timeout=600)
+        return out_dir
+
+    return get
 
 
 def assert_close(found: dict[int, float], expected: dict[int, float], what: str) -> None:
@@ -113,7 +121,7 @@ def assert_close(found: dict[int, float], expected: dict[int, float], what: str)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in RUNS if name != "reference"])
 def test_a_cut_of_the_global_batch_trains_like_the_whole_batch(runs, name):
-    out_dir, reference = runs / name, runs / "reference"
+    out_dir, reference = runs(name), runs("reference")
     assert_close(train_metric(out_dir, "grad_norm"), train_metric(reference, "grad_norm"), f"{name} gradient norm")
     assert_close(train_metric(out_dir, "train_loss"), train_metric(reference, "train_loss"), f"{name} loss")
     summary, expected = read_json(out_dir / "summary.json"), read_json(reference / "summary.json")
@@ -125,5 +133,5 @@ def test_a_cut_of_the_global_batch_trains_like_the_whole_batch(runs, name):
 @pytest.mark.slow
 def test_the_reference_learned(runs):
     """The held-out loss (the same examples before and after) is lower after the 3 steps than before them."""
-    summary = read_json(runs / "reference" / "summary.json")
+    summary = read_json(runs("reference") / "summary.json")
     assert summary["val_loss"] < summary["initial_val_loss"], summary

@@ -57,13 +57,20 @@ def launch(backend: str, folder: str, args: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """``runs(name)``: the case's folder, holding its ``lightning`` and ``accelerate`` run (launched on first use)."""
     root = tmp_path_factory.mktemp("grad_accum")
     cache = root / "burgers-cache"  # the science runs solve their data once
-    for name, (folder, args, grad_accum, _) in CASES.items():
-        extra = [f"cache_dir={cache}"] if folder == "science" else []
-        for backend in ("lightning", "accelerate"):
-            launch(backend, folder, [f"out_dir={root / name / backend}", *args, f"grad_accum={grad_accum}", *extra])
-    return root
+
+    def get(name: str):
+        folder, args, grad_accum, _ = CASES[name]
+        if not (root / name).is_dir():
+            extra = [f"cache_dir={cache}"] if folder == "science" else []
+            for backend in ("lightning", "accelerate"):
+                out_dir = root / name / backend
+                launch(backend, folder, [f"out_dir={out_dir}", *args, f"grad_accum={grad_accum}", *extra])
+        return root / name
+
+    return get
 
 
 def assert_close(found: dict[int, float], expected: dict[int, float], what: str) -> None:
@@ -75,7 +82,7 @@ def assert_close(found: dict[int, float], expected: dict[int, float], what: str)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_lightning_and_accelerate_log_the_same_gradient_norm(runs, name):
-    lightning, accelerate = runs / name / "lightning", runs / name / "accelerate"
+    lightning, accelerate = runs(name) / "lightning", runs(name) / "accelerate"
     loss_key = CASES[name][3]
     assert_close(train_metric(lightning, "grad_norm"), train_metric(accelerate, "grad_norm"), f"{name} grad_norm")
     assert_close(train_metric(lightning, loss_key), train_metric(accelerate, loss_key), f"{name} {loss_key}")
