@@ -4,7 +4,7 @@ An Alpaca file whose responses are 1, 2, 3, 20 or 40 words, a 2-layer Llama base
 fp32, a global batch of 8 examples for 3 steps. The reference is one process reading all 8 at once (Accelerate,
 ``micro_batch_size=8``); the others cut the same 8 examples into micro-batches, accumulation steps and processes:
 
-- one process, ``micro_batch_size=2 grad_accum=4``;
+- one process, ``micro_batch_size=2 grad_accum=4``; 2 processes, ``micro_batch_size=4`` (Accelerate);
 - 2 processes, ``micro_batch_size=2 grad_accum=2`` and ``micro_batch_size=1 grad_accum=4``, on Lightning and on
   Accelerate (the accumulation 2 and 4 runs also compare the two entry points with each other).
 
@@ -46,6 +46,7 @@ TINY_FP32 = [
 RUNS = {
     "reference": ("accelerate", 1, 8, 1),
     "accelerate_1x2x4": ("accelerate", 1, 2, 4),
+    "accelerate_2x4x1": ("accelerate", 2, 4, 1),
     "accelerate_2x2x2": ("accelerate", 2, 2, 2),
     "lightning_2x2x2": ("lightning", 2, 2, 2),
     "accelerate_2x1x4": ("accelerate", 2, 1, 4),
