@@ -20,8 +20,9 @@ from _util import PYTHON, REPO, accelerate_launch, run, tiny_fp32_run, train_met
 
 STEPS = 3
 NLP_RUN = [*tiny_fp32_run(STEPS), "max_val_tokens=256"]
-CV_RUN = ["precision=fp32", "micro_batch_size=4", "warmup_steps=2", "log_interval=1", "eval_interval=100"]
+CV_RUN = [f"max_steps={STEPS}", "precision=fp32", "micro_batch_size=4", "warmup_steps=2", "log_interval=1"]
 SCIENCE_RUN = [
+    f"max_steps={STEPS}",
     "precision=fp32",
     "n_train=40",
     "n_test=8",
@@ -34,7 +35,6 @@ SCIENCE_RUN = [
     "micro_batch_size=2",
     "data_workers=1",
     "log_interval=1",
-    "eval_interval=100",
 ]
 # name: (recipe folder, the run's arguments, grad_accum, the loss key of metrics.jsonl)
 CASES = {
