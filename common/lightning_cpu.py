@@ -10,6 +10,10 @@ DeepSpeed itself runs on a CPU: it picks its CPU accelerator, uses gloo for coll
 its CPU Adam on first use. This subclass skips the two checks and passes the local rank, on a CPU
 only; on a GPU every method is Lightning's own. ``tests/distributed`` trains stages 0-3 through it, so a
 Lightning upgrade that moves these places fails a test rather than silently falling back to DDP.
+
+On every device it also divides an accumulated loss once, not twice (:meth:`ZeroDeepSpeedStrategy.backward`):
+Lightning's automatic optimization divides the loss by ``accumulate_grad_batches`` and its DeepSpeed plugin then
+calls ``engine.backward(loss)``, which divides by ``gradient_accumulation_steps`` again (Lightning #6170).
 """
 
 from __future__ import annotations
@@ -164,6 +168,21 @@ class ZeroDeepSpeedStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         self._init_deepspeed_distributed()
         return None
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Back-propagate ``closure_loss`` with DeepSpeed's own division by the accumulation steps turned off.
+
+        Under automatic optimization Lightning has already divided the loss by ``accumulate_grad_batches``
+        (``ClosureResult``: ``closure_loss / normalize``); ``engine.backward``'s default ``scale_wrt_gas=True``
+        would divide by the same number again and leave every gradient ``grad_accum`` times too small: clipping
+        would act at ``grad_accum`` times its threshold, the logged gradient norm would be off by that factor,
+        and SGD would step with that much less learning rate. Accelerate skips its own division under DeepSpeed
+        for the same reason. Manual optimization divides nothing (Lightning refuses accumulation there), so
+        DeepSpeed's division, by 1, stays. The micro-step count DeepSpeed keeps and the loss values are unchanged.
+        """
+        if self.lightning_module is not None and self.lightning_module.automatic_optimization:
+            kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # ZeRO-3 universal loads give every param group the settings of group 0 (common.resume.param_groups_kept).

@@ -56,7 +56,7 @@ from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
 from common.errors import exit_on_user_error
-from common.metrics import Clock, all_reduce
+from common.metrics import Clock, all_reduce, grad_norm
 from common.resume import find_resume_point, mark_universal, prepare_resume, with_universal_load
 from common.rundir import (
     MetricsLog,
@@ -142,9 +142,11 @@ class ImageClassifier(L.LightningModule):
         self.micro_losses.clear()
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             losses = all_reduce(torch.stack(self.step_losses)) / self.trainer.world_size
+            last_norm = grad_norm(self.trainer.strategy.deepspeed_engine)  # this step's, before clipping
             for offset, loss in enumerate(losses.tolist()):  # one record per optimizer step
                 at = step - len(losses) + 1 + offset
-                self.metrics.log(at, train_loss=loss, lr=step_lr(cfg, at))
+                norm = {"grad_norm": last_norm} if at == step else {}  # DeepSpeed keeps the last step's only
+                self.metrics.log(at, train_loss=loss, lr=step_lr(cfg, at), **norm)
             self.log("loss", loss, prog_bar=True, logger=False)  # a float: the sync above was the only one
             self.step_losses.clear()
         if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()

@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
-from common.metrics import Clock, all_reduce
+from common.metrics import Clock, all_reduce, grad_norm
 from common.resume import find_resume_point, mark_universal, param_groups_kept, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
 from common.strategy import accelerator_kwargs, make_optimizer
@@ -120,9 +120,11 @@ def main() -> None:
         bar.update(1)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:  # the only host sync of the loop's losses
             losses = all_reduce(torch.stack(step_losses)) / world_size
+            last_norm = grad_norm(engine)  # this step's, before clipping
             for offset, value in enumerate(losses.tolist()):  # one record per optimizer step
                 at = step - len(losses) + 1 + offset
-                metrics.log(at, train_loss=value, lr=step_lr(cfg, at))
+                norm = {"grad_norm": last_norm} if at == step else {}  # DeepSpeed keeps the last step's only
+                metrics.log(at, train_loss=value, lr=step_lr(cfg, at), **norm)
             bar.set_postfix(loss=f"{value:.4f}")
             step_losses.clear()
         if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()

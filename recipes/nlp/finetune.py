@@ -49,10 +49,12 @@ from finetuning import (
     describe,
     evaluate,
     final_export,
+    global_batch_tokens,
     load_plain,
     load_sft_data,
     load_tokenizer,
     lora_param_groups,
+    loss_scale,
     lr_lambda,
     make_summary,
     peak_memory_over_ranks,
@@ -60,6 +62,7 @@ from finetuning import (
     resolve_ds_config,
     score,
     sft_loader,
+    step_token_mean,
     train_loss,
     val_batches,
     write_run_files,
@@ -79,7 +82,7 @@ from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
 from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
-from common.metrics import Clock, all_reduce, grad_norm
+from common.metrics import Clock, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
 from common.rundir import (
     MetricsLog,
@@ -122,7 +125,7 @@ class LoRAFinetune(L.LightningModule):
         self.start_step, self.clock = start_step, clock
         self.model = None  # built in configure_model, inside ZeRO-3's partitioned construction
         self.strict_loading = False  # checkpoints leave the frozen base out: it comes from model= on resume
-        self.losses: list[torch.Tensor] = []
+        self.loss_sums: list[torch.Tensor] = []  # this step's micro-batches: [summed response-token loss, tokens]
         self.log_file = MetricsLog(cfg.out_dir, enabled=is_launcher_rank_zero())
         self.val_loss = float("nan")
         self.state_bytes: dict[str, int] = {}  # model states measured after the first step
@@ -150,9 +153,12 @@ class LoRAFinetune(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        total, loss = train_loss(self.model, batch, self.device, self.sp)
-        self.losses.append(loss)  # detached: reading it (.item()) would wait for the device
-        return total
+        # The step's token mean (finetuning.loss_scale); global_step counts the optimizer steps done so far.
+        dp_size = data_parallel(self.cfg, self.global_rank, self.trainer.world_size)[1]
+        tokens = global_batch_tokens(self.data, self.cfg, dp_size, self.trainer.global_step)
+        loss, sums = train_loss(self.model, batch, self.device, loss_scale(self.cfg, dp_size, tokens), self.sp)
+        self.loss_sums.append(sums)  # detached: reading it (.item()) would wait for the device
+        return loss
 
     def on_train_start(self) -> None:
         cfg, strategy = self.cfg, self.trainer.strategy
@@ -166,17 +172,16 @@ class LoRAFinetune(L.LightningModule):
         self.clock.skip()
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        if len(self.losses) < self.cfg.grad_accum:
+        if len(self.loss_sums) < self.cfg.grad_accum:
             return  # inside a gradient accumulation
         cfg, step = self.cfg, self.trainer.global_step
         self.clock.step_done()
-        step_loss = torch.stack(self.losses).mean()  # a tensor: reading it would wait for the device
-        self.losses.clear()
+        sums, self.loss_sums = self.loss_sums, []
         if step == self.start_step + 1:
             self.state_bytes = model_state_bytes(self.trainer.strategy.model)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
-            loss = all_reduce(step_loss).item() / self.trainer.world_size
+            loss = step_token_mean(sums)
             self.log_file.log(
                 step,
                 train_loss=loss,

@@ -35,10 +35,12 @@ from finetuning import (
     describe,
     evaluate,
     final_export,
+    global_batch_tokens,
     load_plain,
     load_sft_data,
     load_tokenizer,
     lora_param_groups,
+    loss_scale,
     lr_lambda,
     make_summary,
     peak_memory_over_ranks,
@@ -46,6 +48,7 @@ from finetuning import (
     resolve_ds_config,
     score,
     sft_loader,
+    step_token_mean,
     train_loss,
     val_batches,
     write_run_files,
@@ -65,7 +68,7 @@ from common.checkpoint import (
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
-from common.metrics import Clock, all_reduce, grad_norm
+from common.metrics import Clock, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads
 from common.strategy import accelerator_kwargs, make_optimizer, zero_stage
@@ -148,7 +151,8 @@ def main() -> None:
         accelerator.print(f"resumed from {latest} (step {start_step})")
     # The ranks of a sequence-parallel group read the same examples; held-out batches are whole sequences on every
     # rank (Ulysses is off in eval mode), split over all ranks.
-    loader = sft_loader(data, cfg, *data_parallel(cfg, rank, world_size), start_step, False)
+    dp_rank, dp_size = data_parallel(cfg, rank, world_size)
+    loader = sft_loader(data, cfg, dp_rank, dp_size, start_step, False)
     held_out = val_batches(data, cfg, rank, world_size)
     log = MetricsLog(out_dir, enabled=main_process)
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not main_process, dynamic_ncols=True)
@@ -163,28 +167,29 @@ def main() -> None:
     # --- training ---
     val_loss = run_eval(0) if start_step == 0 else float("nan")
     engine.train()
-    step, losses, state_bytes = start_step, [], {}
+    step, loss_sums, state_bytes = start_step, [], {}
     clock.skip()
     for batch in loader:
+        # The step's token mean (finetuning.loss_scale): the global batch's response tokens, known from the data.
+        scale = loss_scale(cfg, dp_size, global_batch_tokens(data, cfg, dp_size, step))
         with accelerator.accumulate(engine):
-            total, loss = train_loss(engine, batch, device, sp)
-            accelerator.backward(total)
+            loss, sums = train_loss(engine, batch, device, scale, sp)
+            accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-        losses.append(loss)
-        if len(losses) < cfg.grad_accum:
+        loss_sums.append(sums)  # detached [summed loss, tokens]: reading it would wait for the device
+        if len(loss_sums) < cfg.grad_accum:
             continue
         scheduler.step()
         step += 1
         clock.step_done()
-        step_loss = torch.stack(losses).mean()  # a tensor: reading it would wait for the device
-        losses.clear()
+        sums, loss_sums = loss_sums, []
         bar.update(1)
         if step == start_step + 1:
             state_bytes = model_state_bytes(engine)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
-            mean_loss = all_reduce(step_loss).item() / world_size
+            mean_loss = step_token_mean(sums)
             bar.set_postfix(loss=f"{mean_loss:.3f}")
             log.log(
                 step,

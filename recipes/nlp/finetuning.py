@@ -165,6 +165,7 @@ class SFTData:
         val: held-out examples as text: exact match generates answers from their prompts.
         val_encoded: the same, encoded: the held-out loss.
         fixed_batch: the first held-out examples collated: the export compares logits on it.
+        train_tokens: each training example's response tokens (:func:`response_tokens`): the loss's denominator.
     """
 
     tokenizer: Any
@@ -172,6 +173,7 @@ class SFTData:
     val: list[Example]
     val_encoded: list[dict[str, list[int]]]
     fixed_batch: dict[str, torch.Tensor]
+    train_tokens: list[int]
 
     @property
     def pad_id(self) -> int:
@@ -197,12 +199,14 @@ def load_sft_data(cfg: FinetuneConfig, tokenizer: Any) -> SFTData:
     """Read the examples and encode them to at most ``seq_len`` tokens (a long prompt loses its start)."""
     train, val = load_examples(cfg)
     val_encoded = encode_examples(val, tokenizer, cfg.seq_len)
+    train_encoded = encode_examples(train, tokenizer, cfg.seq_len)
     return SFTData(
         tokenizer=tokenizer,
-        train=encode_examples(train, tokenizer, cfg.seq_len),
+        train=train_encoded,
         val=val,
         val_encoded=val_encoded,
         fixed_batch=collate_sft(val_encoded[:FIXED_BATCH_EXAMPLES], tokenizer.pad_token_id),
+        train_tokens=[response_tokens(example["labels"]) for example in train_encoded],
     )
 
 
@@ -361,33 +365,70 @@ def sft_loss_sums(model: Any, batch: dict, device: torch.device) -> tuple[torch.
     return loss, (labels != IGNORE_INDEX).sum()
 
 
-def sft_loss(model: Any, batch: dict, device: torch.device) -> torch.Tensor:
-    """Mean cross entropy over the batch's response tokens: the training loss."""
-    total, count = sft_loss_sums(model, batch, device)
-    return total / count.clamp(min=1)
+def response_tokens(labels: list[int]) -> int:
+    """Response tokens of one encoded example: the labels the loss reads (every one but the first is a target)."""
+    return sum(1 for label in labels[1:] if label != IGNORE_INDEX)
+
+
+def global_batch_tokens(data: SFTData, cfg: FinetuneConfig, dp_size: int, step: int) -> int:
+    """Response tokens in optimizer step ``step``'s global batch: every micro-batch of every data-parallel rank.
+
+    Known before the step's first forward, without communication: every rank holds all examples, and
+    :class:`StepSampler` gives rank ``r`` the ``r``-th slice of each global micro-batch, so one sampler of the whole
+    global micro-batch (``micro_batch_size x dp_size`` samples, rank 0 of 1) lists the step's examples. The ranks of
+    a sequence-parallel group read the same examples and count them once.
+    """
+    sampler = StepSampler(
+        len(data.train), cfg.micro_batch_size * dp_size, cfg.grad_accum, 0, 1, cfg.seed, step, step + 1
+    )
+    return sum(data.train_tokens[index] for index in sampler)
+
+
+def loss_scale(cfg: FinetuneConfig, dp_size: int, global_tokens: int) -> float:
+    """What a micro-batch's summed response-token loss is multiplied by before it is back-propagated.
+
+    The training loss is the step's token mean: the summed response-token loss of the whole global batch (every
+    micro-batch, every data-parallel rank, every sequence-parallel slice) over that batch's ``global_tokens``
+    (:func:`global_batch_tokens`). DeepSpeed divides each back-propagated loss by ``grad_accum`` and averages the
+    ``dp_size`` ranks' gradients (micro-batches and ranks with equal weight), so the scale carries both factors
+    back. A mean per micro-batch instead would weigh a token of a short batch more than one of a long batch: the
+    gradient would change with how the global batch is cut into micro-batches and ranks (the gradient-accumulation
+    loss bug transformers fixed in 2024 with ``num_items_in_batch``).
+    """
+    return cfg.grad_accum * dp_size / max(global_tokens, 1)
 
 
 def train_loss(
-    model: Any, batch: dict, device: torch.device, sp: SequenceParallel | None = None
+    model: Any, batch: dict, device: torch.device, scale: float, sp: SequenceParallel | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss to back-propagate, the micro-batch's mean response-token loss, detached).
+    """(loss to back-propagate, the micro-batch's [summed response-token loss, response tokens], detached).
 
-    Sequence parallel (``sp``): this rank's slice of every sequence, through ``common.sequence_parallel.lm_loss``,
-    whose loss is the same token mean as :func:`sft_loss` (own tokens' summed loss over the group's response-token
-    count, times ``grad_scale`` under ZeRO-3). Ulysses drops the attention mask: right padding under causal attention
-    leaves every real token's output unchanged and padding is labelled ``IGNORE_INDEX``; a left-padded batch would
-    not be, and is refused.
+    ``scale``: :func:`loss_scale`, for the step this micro-batch belongs to. Sequence parallel (``sp``): this rank's
+    slice of every sequence, through ``common.sequence_parallel.lm_loss``, whose loss is the micro-batch's token
+    mean over the group (own tokens' summed loss over the group's response-token count, times ``grad_scale`` under
+    ZeRO-3); times that count it is the own tokens' summed loss, scaled alike. Ulysses drops the attention mask:
+    right padding under causal attention leaves every real token's output unchanged and padding is labelled
+    ``IGNORE_INDEX``; a left-padded batch would not be, and is refused.
     """
+    tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum().to(device)  # the whole micro-batch's, on every SP rank
     if sp is None:
-        loss = sft_loss(model, batch, device)
-        return loss, loss.detach()
+        summed, _ = sft_loss_sums(model, batch, device)
+        return summed * scale, torch.stack([summed.detach(), tokens.to(summed.dtype)])
     mask = batch["attention_mask"]
     if (mask[:, 1:] > mask[:, :-1]).any():
         raise RuntimeError("sequence_parallel needs right-padded batches: Ulysses attends without the attention mask")
     labels = batch["labels"]  # lm_loss takes next-token labels already shifted: the last position predicts nothing
     shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
-    total, loss = sequence_parallel.lm_loss(model, batch["input_ids"].to(device), shifted.to(device), sp)
-    return total, loss
+    group_mean, mean = sequence_parallel.lm_loss(model, batch["input_ids"].to(device), shifted.to(device), sp)
+    count = tokens.to(mean.dtype)
+    return group_mean * count * scale, torch.stack([mean * count, count])
+
+
+def step_token_mean(sums: list[torch.Tensor]) -> float:
+    """The logged training loss of a step: its micro-batches' [summed loss, tokens] added over every rank, divided
+    (collective). Sequence parallel: each rank of a group holds the group's sums; the ratio counts them once."""
+    total = all_reduce(torch.stack(sums).sum(dim=0).double())
+    return float(total[0] / total[1].clamp(min=1))
 
 
 @torch.no_grad()

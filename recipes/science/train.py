@@ -53,7 +53,7 @@ from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
 from common.errors import exit_on_user_error
-from common.metrics import Clock
+from common.metrics import Clock, grad_norm
 from common.resume import find_resume_point, mark_universal, prepare_resume, with_universal_load
 from common.rundir import (
     MetricsLog,
@@ -137,7 +137,8 @@ class OperatorLearning(L.LightningModule):
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the reduce and .item() are a collective and a host sync.
             loss = self.trainer.strategy.reduce(torch.stack(self.losses).mean(), reduce_op="mean").item()
-            self.metrics.log(step, train_rel_l2=loss, lr=self.step_lr)
+            norm = grad_norm(self.trainer.strategy.deepspeed_engine)  # this step's, before clipping
+            self.metrics.log(step, train_rel_l2=loss, lr=self.step_lr, grad_norm=norm)
             self.log("rel_l2", loss, prog_bar=True)
             self.losses.clear()
         if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()

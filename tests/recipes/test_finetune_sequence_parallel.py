@@ -1,13 +1,17 @@
 """``sequence_parallel=N`` in the fine-tuning recipe (both entry points): DeepSpeed's Ulysses under LoRA.
 
 Two sequence-parallel runs (2 processes, sequence parallel 2, so one data-parallel replica), each compared with ONE
-process training the same global batch (fp32, LoRA dropout off): every step's loss and DeepSpeed's gradient norm
-within 1e-5 relative, and the held-out loss at the end. The runs: Accelerate under ZeRO-3 (every adapter matrix
-partitioned, loss times ``grad_scale`` = 2) and Lightning under ZeRO-2 (``grad_scale`` 1). The gradient norm is what
-catches a wrong loss scale; the later steps' losses catch ranks of a group that read different examples. Both start
-from the same base and the same LoRA initialisation as the reference (the adapters are created outside
-``zero.Init``), so one reference serves both stages. The exact match of ``merged/`` must equal the reference's too:
-Ulysses' attention, which drops the mask, must be gone before the export generates from left-padded prompts.
+process reading the same global batch of 8 examples at once (fp32, LoRA dropout off): every step's loss and
+DeepSpeed's gradient norm within 1e-5 relative, and the held-out loss at the end. The sequence-parallel runs cut
+that batch with gradient accumulation, and the examples' responses differ in length, so the loss must be the global
+batch's token mean across micro-batches and slices: Accelerate under ZeRO-3 (every adapter matrix partitioned, loss
+times ``grad_scale`` = 2, ``micro_batch_size=4 grad_accum=2``) and Lightning under ZeRO-2 (``grad_scale`` 1,
+``micro_batch_size=2 grad_accum=4``, which Lightning would also divide twice without the strategy's fix). The
+gradient norm is what catches a wrong loss scale; the later steps' losses catch ranks of a group that read different
+examples. Both start from the same base and the same LoRA initialisation as the reference (the adapters are created
+outside ``zero.Init``), so one reference serves both stages. The exact match of ``merged/`` must equal the
+reference's too: Ulysses' attention, which drops the mask, must be gone before the export generates from left-padded
+prompts. "It trained" is the held-out loss (the same examples) before and after the run.
 """
 
 from __future__ import annotations
@@ -26,10 +30,9 @@ RECIPE = REPO / "recipes" / "nlp"
 FINETUNE = RECIPE / "finetune.py"
 FINETUNE_ACCELERATE = RECIPE / "finetune_accelerate.py"
 STEPS = 3
-# The smallest run that shows it: 3 steps of 2 examples (each logged), 2 held-out examples, one checkpoint.
+# The smallest run that shows it: 3 steps of 8 examples (each logged), 4 held-out examples, one checkpoint.
 TINY_FP32 = [
     "precision=fp32",
-    "micro_batch_size=2",
     f"max_steps={STEPS}",
     "warmup_steps=1",
     "min_lr_ratio=1.0",
@@ -41,20 +44,21 @@ TINY_FP32 = [
     "lora_dropout=0.0",  # a rank's dropout masks its own slice: the reference would draw other ones
     "max_new_tokens=1",
 ]
-# name: (entry point, processes, preset, sequence_parallel)
+# name: (entry point, processes, preset, sequence_parallel, micro_batch_size, grad_accum): 8 examples a step
 RUNS = {
-    "reference": ("accelerate", 1, "deepspeed_stage_1", 1),
-    "accelerate_sp2_zero3": ("accelerate", 2, "finetune", 2),
-    "lightning_sp2_zero2": ("lightning", 2, "deepspeed_stage_2", 2),
+    "reference": ("accelerate", 1, "deepspeed_stage_1", 1, 8, 1),
+    "accelerate_sp2_zero3": ("accelerate", 2, "finetune", 2, 4, 2),
+    "lightning_sp2_zero2": ("lightning", 2, "deepspeed_stage_2", 2, 2, 4),
 }
 ZERO_STAGE = {"reference": 1, "accelerate_sp2_zero3": 3, "lightning_sp2_zero2": 2}
 
 
 def write_count_data(path) -> None:
-    """20 Alpaca lines whose responses are long enough to cross the middle of their batch: both ranks of a group
-    hold response tokens (the built-in task's one-digit answers would all sit on the second rank)."""
+    """40 Alpaca lines (36 train, 4 held out) whose responses (4 to 26 numbers) are long enough to cross the middle
+    of their batch: both ranks of a group hold response tokens (the built-in task's one-digit answers would all sit
+    on the second rank)."""
     lines = []
-    for n in range(20):
+    for n in range(40):
         count = 4 + (7 * n) % 23
         example = {"instruction": f"Count to {count}.", "output": " ".join(str(i) for i in range(1, count + 1))}
         lines.append(json.dumps(example))
@@ -133,9 +137,9 @@ def runs(tmp_path_factory):
     LlamaForCausalLM(config).save_pretrained(base, safe_serialization=True)
     data = root / "count.jsonl"
     write_count_data(data)
-    for name, (entry, processes, preset, sp) in RUNS.items():
+    for name, (entry, processes, preset, sp, micro, accum) in RUNS.items():
         args = [f"out_dir={root / name}", f"model={base}", f"data={data}", *TINY_FP32, f"preset={preset}"]
-        args.append(f"sequence_parallel={sp}")
+        args += [f"sequence_parallel={sp}", f"micro_batch_size={micro}", f"grad_accum={accum}"]
         if preset == "finetune":  # ZeRO-3: every adapter matrix partitioned, none kept whole by the threshold
             args.append('ds_overrides=["zero_optimization.stage3_param_persistence_threshold=0"]')
         if entry == "accelerate":
@@ -158,8 +162,8 @@ def test_sequence_parallel_fine_tunes_like_one_process(runs, name):
     losses = train_metric(out_dir, "train_loss")
     assert_close(losses, train_metric(reference, "train_loss"), f"{name} loss")
     assert_close(train_metric(out_dir, "grad_norm"), train_metric(reference, "grad_norm"), f"{name} gradient norm")
-    assert losses[STEPS] != losses[1]  # it trained
     summary, expected = read_json(out_dir / "summary.json"), read_json(reference / "summary.json")
+    assert summary["val_loss"] < summary["initial_val_loss"]  # it trained: the same held-out examples, lower loss
     assert (summary["sequence_parallel"], summary["world_size"], summary["zero_stage"]) == (2, 2, ZERO_STAGE[name])
     assert math.isclose(summary["val_loss"], expected["val_loss"], rel_tol=1e-5)  # whole sequences, every rank
     assert summary["val_accuracy"] == expected["val_accuracy"]
