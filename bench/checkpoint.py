@@ -58,7 +58,7 @@ from common.errors import exit_on_user_error  # noqa: E402
 RESULTS = HERE / "results" / "checkpoint.json"
 DOCS = {"checkpoint saves": REPO / "docs" / "checkpoints.md"}
 SYNC_SHARE_FLOOR = 0.20  # the throughput run saves often enough that a synchronous save costs at least this
-STALL_BAR, THROUGHPUT_BAR = 0.15, 0.05  # the bars
+STALL_BAR, THROUGHPUT_BAR = 0.15, 0.05  # what asynchronous saves must meet
 SCALING_KEYS = ("num_params", "world_size", "checkpoint_bytes", "hidden_size", "layers", "vocab", "wall_s")
 
 

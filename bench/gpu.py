@@ -6,12 +6,12 @@
     python bench/gpu.py --cpu --render    # rewrite the section from bench/results/gpu_cpu_mode.json, measuring nothing
 
 Variants (one fresh process each, bench/_gpu_worker.py): ZeRO stages 0-3, stage 3 + CPU offload, ZeRO++ beside
-stage 3, NVMe offload and bf16 optimizer states (issue 17; not ZenFlow: DeepSpeed builds its optimizers from the
+stage 3, NVMe offload and bf16 optimizer states (not ZenFlow: DeepSpeed builds its optimizers from the
 config's ``optimizer`` section, and the recipes pass their own, tests/distributed/test_zenflow.py), each with the
 config's attention (``auto``: FlashAttention-2 when flash-attn is installed on a GPU, else SDPA) and its
 activation checkpointing (``selective`` in llama_1b.yaml); SDPA forced, to compare with FlashAttention-2;
 activation-checkpointing presets none / full / every_k; a long sequence (``long_seq_len``) with and without
-the tiled MLP and loss, and with checkpoint offload (issue 21). Reports tokens/s, MFU (PaLM's FLOPs count,
+the tiled MLP and loss, and with checkpoint offload. Reports tokens/s, MFU (PaLM's FLOPs count,
 common/metrics.py) and peak allocated memory (peak RSS on a CPU). A variant that fails (out of memory,
 say) keeps its last error line; the whole run stops starting variants after --budget-s seconds so it
 finishes within 8 minutes. Results go to bench/results/gpu.json (gpu_cpu_mode.json with --cpu) through
@@ -58,7 +58,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "stage2": ("deepspeed_stage_2", []),
     "stage3": ("deepspeed_stage_3", []),
     "stage3_offload": ("deepspeed_stage_3_offload", []),
-    # Issue 17: ZeRO++ beside plain stage 3 (qwZ and qgZ use DeepSpeed's CUDA quantizer kernels; on one GPU hpZ
+    # ZeRO++ beside plain stage 3 (qwZ and qgZ use DeepSpeed's CUDA quantizer kernels; on one GPU hpZ
     # has one device per node and is off), NVMe offload (ZeRO-Infinity) into the run's temporary folder, and the
     # bf16 optimizer states.
     "stage3_zeropp": ("deepspeed_stage_3_zeropp", []),
@@ -71,7 +71,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "ac_none": ("ddp", ["activation_checkpointing=none"]),
     "ac_full": ("ddp", ["activation_checkpointing=full"]),
     "ac_every_k": ("ddp", ["activation_checkpointing=every_k"]),
-    # Issue 21, one device: a long sequence (16K tokens on a GPU) with and without the tiled MLP and loss
+    # Long context, one device: a long sequence (16K tokens on a GPU) with and without the tiled MLP and loss
     # (common/tiling.py): the peak memory they save, and what the recomputation costs in tokens/s.
     "long": ("deepspeed_stage_2", ["seq_len={long_seq_len}", "micro_batch_size=1"]),
     "long_tiled": (

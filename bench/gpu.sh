@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU benchmark (issue 10): the NLP recipe at 1B class on a single GPU, within 8 minutes.
+# One prepared GPU benchmark: the NLP recipe at 1B class on a single GPU, within 8 minutes.
 #
 #   bash bench/gpu.sh          # GPU: ZeRO stages 0-3, stage 3 + offload, FlashAttention-2 vs SDPA,
 #                              # activation-checkpointing presets; tokens/s, MFU, peak allocated

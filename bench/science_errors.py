@@ -50,7 +50,7 @@ CONFIGS = "recipes/science/configs"
 # The paper's relative L2 test errors (Li et al. 2021, Table 1 for Burgers at s = 1024 and viscosity 1e-3,
 # Table 4 for Darcy at s = 85; section 5.1's text for Burgers at viscosity 0.1 on 256 points).
 PAPER = {"burgers_nu1e-3": 0.0160, "darcy": 0.0108, "burgers_nu0.1": 0.0018}
-# The issue's bars for the 5-minute CPU configs (the paper-sized configs' bar is the paper's figure).
+# The bars for the 5-minute CPU configs (the paper-sized configs' bar is the paper's figure).
 CPU_BARS = {"darcy": 0.03}
 # name -> (problem, config file, backend, extra overrides)
 RUNS: dict[str, tuple[str, str, str, list[str]]] = {

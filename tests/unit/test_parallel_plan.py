@@ -1,4 +1,4 @@
-"""Tensor, pipeline and expert parallelism in the planner and the linter (issue 18).
+"""Tensor, pipeline and expert parallelism in the planner and the linter.
 
 Parameter counts are summed by hand from each config's shapes; activations come from Korthikanti et al. 2022
 (arXiv:2205.05198): eq. 2 for tensor parallelism, section 4.2.3 for the pipeline's first stage.

@@ -3,7 +3,7 @@
 tests/distributed/sequence_parallel_activation_worker.py runs on 2 gloo processes (seconds): for each case a tiny
 transformers Llama (fp32, sdpa) trains one step on the whole sequence in one rank, then with DeepSpeed's
 ``UlyssesSPAttentionHF`` registered for a sequence-parallel group of both ranks, each rank on its half of the
-sequence. Issue 21's bars: at SP 2 a rank saves at most 55 % of what SP 1 saves for the same sequence, and the
+sequence. The bars: at SP 2 a rank saves at most 55 % of what SP 1 saves for the same sequence, and the
 planner (``transformer_activations(..., sequence_parallel=2)``, what ``zero-recipes estimate --sequence-parallel 2``
 prints) is within 10 % of the measurement. The worker measured the planner within 0.5 % in every case, so a
 second, tighter bound (1 %) catches a dropped term that 10 % would not, such as the output projection's copy.

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (issue 21) in the planner's layout, `zero-recipes estimate` and `zero-recipes probe`.
+"""Ulysses sequence parallelism in the planner's layout, `zero-recipes estimate` and `zero-recipes probe`.
 
 The activation formula itself is checked against autograd in tests/unit/test_sequence_parallel_activations.py; here
 the layout arithmetic (DP = world / (TP x PP x SP), ZeRO over DP x SP), the longest-sequence search, the command's
