@@ -271,3 +271,21 @@ def test_hang_overhead_prices_the_watchdog_per_step_from_its_own_cpu_time():
         for s in bench.watchdog_shares(cell)
     ]
     assert shares and all(0 < share < 0.02 for share in shares)  # the published direct figure: under the 2 % goal
+
+
+def test_a_kept_science_row_takes_the_files_provenance_only_if_that_run_measured_it():
+    """A row written before rows carried their own provenance holds only its commit: it is the file's run's row only
+    when that run's command named it (or named no rows: the default set) at the same commit."""
+    bench = load_bench("science_errors.py")
+    file_prov = {
+        "command": "python bench/science_errors.py --runs darcy-fp32 burgers-nu0.1-bf16",
+        "git_commit": "a" * 40,
+    }
+    measured = {"name": "darcy-fp32", "git_commit": "a" * 40}
+    assert bench.row_provenance(measured, file_prov) is file_prov
+    assert bench.row_provenance({"name": "darcy-bf16", "git_commit": "a" * 40}, file_prov) is None  # not in --runs
+    assert bench.row_provenance({"name": "darcy-fp32", "git_commit": "b" * 40}, file_prov) is None  # another commit
+    default_run = {"command": "python bench/science_errors.py", "git_commit": "a" * 40}
+    assert bench.row_provenance({"name": "darcy-bf16", "git_commit": "a" * 40}, default_run) is default_run
+    own = {"command": "python bench/science_errors.py --runs darcy-bf16", "git_commit": "c" * 40}
+    assert bench.row_provenance({"name": "darcy-bf16", "provenance": own}, file_prov) is own
