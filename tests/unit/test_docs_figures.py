@@ -40,7 +40,8 @@ MEASURED_LOOKING = {
     "percentage": re.compile(r"(?<!than )(?<![\w.])(?:\d+\.\d+\s*%|\d+\s*%\s*(?:slower|faster))"),
     "relative error": re.compile(
         r"(?<![\w.])-?\d\.\d+e-\d+|rel(?:ative|\.)\s*(?:L2|error|gap|difference)\s*(?:of\s*)?\d\.\d+"
-    ),    "stated as measured": re.compile(r"(?<!not )\b[Mm]easured(?: here)?:[^.;)\n]{0,30}?\d"),
+    ),
+    "stated as measured": re.compile(r"(?<!not )\b[Mm]easured(?: here)?:[^.;)\n]{0,30}?\d"),
 }
 # docs/benchmarks_gpu.md quotes llm-foundry's published MFU beside its goal; the page belongs to the GPU bench's
 # owner, so its marker is not written yet: these two figures, on that page only, pass until it is.
