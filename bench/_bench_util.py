@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import math
 import os
+import platform
 import re
 import shlex
 import signal
@@ -56,8 +57,74 @@ def git_commit() -> str:
     return head + ("-dirty" if dirty else "")
 
 
-def provenance(argv: list[str] | None = None) -> dict:
-    """Where a results file came from: the command line, commit, date, library versions and CPU count."""
+def cpu_model() -> str:
+    """The processor's name as the kernel reports it (``/proc/cpuinfo``), else Python's guess."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _sys_block_text(disk: str, name: str) -> str | None:
+    """A file of ``/sys/block/DISK/``, stripped; None where the kernel does not provide it (virtual disks)."""
+    try:
+        return (Path("/sys/block") / disk / name).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def disk_facts(path: Path) -> dict:
+    """The storage behind ``path``: filesystem, device, the whole disk's model or driver, size and whether the
+    kernel calls it rotational. Figures of an I/O bench mean little without the disk they were measured on."""
+    path = Path(path).resolve()
+    mounts = [m for m in psutil.disk_partitions(all=True) if path.is_relative_to(m.mountpoint)]
+    mount = max(mounts, key=lambda m: len(m.mountpoint), default=None)
+    facts = {
+        "path": str(path),
+        "filesystem": mount.fstype if mount else None,
+        "device": mount.device if mount else None,
+        "disk": None,
+        "model": None,
+        "size_bytes": None,
+        "rotational": None,
+    }
+    st_dev = path.stat().st_dev
+    block = Path(f"/sys/dev/block/{os.major(st_dev)}:{os.minor(st_dev)}")
+    if not block.exists():  # overlay and RAM filesystems have no block device behind them
+        return facts
+    node = block.resolve()
+    disk = node.parent.name if (node / "partition").exists() else node.name  # a partition's disk is its parent
+    driver = Path("/sys/block") / disk / "device" / "driver"
+    sectors = _sys_block_text(disk, "size")
+    rotational = _sys_block_text(disk, "queue/rotational")
+    facts.update(
+        disk=disk,
+        # A virtual disk names no model: its driver (virtio_blk, nvme, ...) says what kind of device it is.
+        model=_sys_block_text(disk, "device/model") or (driver.resolve().name if driver.exists() else None),
+        size_bytes=int(sectors) * 512 if sectors else None,  # /sys counts 512-byte sectors whatever the disk's own
+        rotational=rotational == "1" if rotational else None,
+    )
+    return facts
+
+
+def machine_facts(disks: dict[str, Path] | None = None) -> dict:
+    """The machine a results file was measured on: CPU model and count, memory, and the disks the bench used.
+
+    The working directory and the temporary-files folder are always recorded (the benches write there by
+    default); ``disks`` adds the folders a bench was pointed at (``--path``, ``--work-dir``).
+    """
+    folders = {"working directory": Path.cwd(), "temporary files": Path(tempfile.gettempdir()), **(disks or {})}
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "disks": {label: disk_facts(folder) for label, folder in folders.items()},
+    }
+
+
+def provenance(argv: list[str] | None = None, disks: dict[str, Path] | None = None) -> dict:
+    """Where a results file came from: the command line, commit, date, library versions and the machine."""
     versions = {}
     for name in PROVENANCE_PACKAGES:
         try:
@@ -72,12 +139,27 @@ def provenance(argv: list[str] | None = None) -> dict:
         "versions": versions,
         "python": sys.version.split()[0],
         "cpu_count": os.cpu_count(),
+        "machine": machine_facts(disks),
     }
 
 
-def write_results(path: Path, results: dict | list, argv: list[str] | None = None) -> dict:
-    """Write a bench's results file: ``{"provenance": ..., "results": ...}``. The only writer of bench/results/."""
-    document = {"provenance": provenance(argv), "results": results}
+def machine_text(provenance_: dict) -> str:
+    """The machine in a section's "Command:" line: cores, and the CPU model and memory where they were recorded."""
+    machine = provenance_.get("machine")
+    if not machine:  # results written before the machine was recorded
+        return f"this machine: {provenance_['cpu_count']} CPU cores, shared"
+    cores, memory_gib = f"{machine['cpu_count']} CPU cores ({machine['cpu_model']})", machine["memory_bytes"] / 2**30
+    return f"this machine: {cores}, {memory_gib:.0f} GiB memory, shared"
+
+
+def write_results(
+    path: Path, results: dict | list, argv: list[str] | None = None, disks: dict[str, Path] | None = None
+) -> dict:
+    """Write a bench's results file: ``{"provenance": ..., "results": ...}``. The only writer of bench/results/.
+
+    ``disks``: folders the bench measured besides the working directory and the temporary-files folder.
+    """
+    document = {"provenance": provenance(argv, disks), "results": results}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(document, indent=2) + "\n")
@@ -344,7 +426,7 @@ def publish_sections(
 ) -> None:
     """Write each rendered section into its doc (``docs[name]``, docs/benchmarks.md by default)."""
     command, date = section_stamp(provenance_)
-    machine = machine or f"this machine: {provenance_['cpu_count']} CPU cores, shared"
+    machine = machine or machine_text(provenance_)
     for name, body in sections.items():
         write_section(name, command, date, body, doc=docs.get(name, DOC), machine=machine)
 
@@ -363,10 +445,14 @@ def render_from_file(path: Path, render_sections: Callable[[dict], dict[str, str
 
 
 def save_and_publish(
-    args: argparse.Namespace, results: dict, render_sections: Callable[[dict], dict[str, str]], docs: dict[str, Path]
+    args: argparse.Namespace,
+    results: dict,
+    render_sections: Callable[[dict], dict[str, str]],
+    docs: dict[str, Path],
+    disks: dict[str, Path] | None = None,
 ) -> dict:
     """Write ``results`` to ``args.json`` (with provenance) and, unless ``--no-doc``, render the docs from it."""
-    document = write_results(args.json, results)
+    document = write_results(args.json, results, disks=disks)
     if not args.no_doc:
         publish_sections(render_sections(document), document["provenance"], docs)
     return document

@@ -9,7 +9,7 @@ backward pass at once (common.activation.SavedBytesCounter: ``torch.autograd.gra
 over the forward and backward pass, checkpoint recomputation included, each storage once, parameters
 excluded). Planned: ``common.memory_formulas.transformer_activations`` with the facts ``zero-recipes estimate
 --model-config`` reads, which is the "activations" / "act. PRESET" column. Beside it, Korthikanti et al.'s
-``s*b*h*(34 + 5*a*s/h)`` per layer + float32 logits, the column's formula before issue 14. Goal: the
+``s*b*h*(34 + 5*a*s/h)`` per layer + float32 logits, the column's earlier formula. Goal: the
 planner within 10 % of the measurement in every case. Writes bench/results/activations.json (through
 write_results) and docs/benchmarks.md, section "activations", rendered from that file alone.
 """

@@ -10,7 +10,7 @@
 2. **Fine-tuning**: the fine-tuning recipe as shipped (LoRA, preset ``finetune``: ZeRO-3 over the frozen base) on
    step 1's ``final/`` model, saves at steps 1 and 2. Its checkpoints leave the frozen base out (they hold the
    adapters, their optimizer states and ``base_model.json``, the base's path and file hashes): bytes per save after
-   the first / bytes of the full-training save of the same model is the issue's bar (<= 10 %).
+   the first / bytes of the full-training save of the same model is the bar (<= 10 %).
 3. **Export-only copies** of the full-training checkpoint with ``zero-recipes export`` (fp32 and bf16
    safetensors), and what a lossless compression of each would save: zlib (level 1) of every tensor as it is, and
    of its bytes regrouped into planes (byte k of every element together; the sign-and-exponent bytes of trained
@@ -43,7 +43,7 @@ from common.errors import exit_on_user_error  # noqa: E402
 
 RESULTS = HERE / "results" / "checkpoint_bytes.json"
 DOCS = {"checkpoint bytes": REPO / "docs" / "checkpoints.md"}
-FINETUNE_BAR = 0.10  # the issue's bar: a fine-tuning save after the first, over a full-training save
+FINETUNE_BAR = 0.10  # the bar: a fine-tuning save after the first, over a full-training save
 ZLIB_LEVEL = 1  # the fastest level: an export-only copy is written often, like a checkpoint
 # Two saves a run, with the recipes' own models and presets; only the data is cut to what two steps read.
 PRETRAIN_ARGS = [

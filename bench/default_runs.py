@@ -10,7 +10,7 @@
    docs/nlp.md.
 2. The Accelerate command with ``tensor_parallel=2 preset=deepspeed_stage_1 micro_batch_size=8``: AutoTP on the
    2 processes (one data-parallel replica; ZeRO-3 is refused with TP), the micro-batch doubled so that the global
-   batch and the samples of each step are the default run's. Issue 18's quality bar: its final / step-0 validation
+   batch and the samples of each step are the default run's. The tensor-parallel bar: its final / step-0 validation
    loss ratio within 0.05 of the default Accelerate run's.
 3. Each run's wall time around the whole command (start-up, tokenizer, packing, DeepSpeed initialisation and the
    export included) and the CPU time of its processes beside it (the machine is shared); the rest comes from the
@@ -112,7 +112,7 @@ CV_KEYS = (
     "precision",
     "world_size",
 )
-TP_RATIO_BAR = 0.05  # issue 18: the default quality bar holds under tensor_parallel=2 within this
+TP_RATIO_BAR = 0.05  # the default quality bar holds under tensor_parallel=2 within this
 DEFAULT_RATIO_BAR = 0.6  # docs/nlp.md: the default run's final / step-0 validation loss ratio stays under this
 
 
@@ -201,7 +201,7 @@ def render_body(results: dict) -> str:
     lines += [
         "",
         f"The default quality bar (final / step-0 ratio under {DEFAULT_RATIO_BAR}): "
-        f"**{'met' if default_ok else 'not met'}** by every run. Tensor parallelism 2 (issue 18's bar: the ratio "
+        f"**{'met' if default_ok else 'not met'}** by every run. Tensor parallelism 2 (its bar: the ratio "
         f"within {quality['bar']} of the default Accelerate run's): {quality['tp2_ratio']:.3f} vs "
         f"{quality['default_ratio']:.3f}, a difference of {quality['difference']:+.3f}, "
         f"**{'met' if met else 'not met'}**.",

@@ -136,7 +136,7 @@ def render_measured(cases: list[dict]) -> str:
     errors = [abs(c[f"sp{n}_planned"] / c[f"sp{n}_peak"] - 1) for c in cases for n in (1, 2)]
     lines = [
         f"{len(cases)} cases, tiny Llamas (hidden 64, 4 heads), fp32, SDPA, 2 gloo processes. Per rank, SP 2 saved "
-        f"{min(ratios):.1%} to {max(ratios):.1%} of what SP 1 saves for the same sequence (issue 21's bar: at most "
+        f"{min(ratios):.1%} to {max(ratios):.1%} of what SP 1 saves for the same sequence (the bar: at most "
         f"55 %); the planner was within {max(errors):.2%} of every measurement (bar: 10 %).",
         "",
         *table_head(

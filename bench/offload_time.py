@@ -1,4 +1,4 @@
-"""What each offload tier adds to a step, measured, beside the planner's time column (issue 17).
+"""What each offload tier adds to a step, measured, beside the planner's time column.
 
     python bench/offload_time.py                 # 3 interleaved reps of stage 3, + CPU offload, + NVMe (~5 min)
     python bench/offload_time.py --render        # docs/benchmarks.md from the results file only
@@ -22,7 +22,7 @@ for the NVMe tier, each against a measurement that does not use the planner:
 The CPU tier (CPU offload minus ZeRO-3) is shown too, with the planner's ``pcie`` terms priced at this machine's
 single-thread memory-copy bandwidth: on a CPU the "device" is host memory, so there is no PCIe transfer to time.
 
-Goal (issue 17): the planner within 30 % of the measurement. bench/results/offload_time.json is written by this
+Goal: the planner within 30 % of the measurement. bench/results/offload_time.json is written by this
 script alone (with provenance); the "offload-time" section of docs/benchmarks.md is rendered from it.
 """
 

@@ -36,8 +36,8 @@ from bench._bench_util import (  # noqa: E402
     add_results_options,
     bench_env,
     free_port,
-    git_commit,
     load_document,
+    provenance,
     render_from_file,
     save_and_publish,
 )
@@ -50,7 +50,7 @@ CONFIGS = "recipes/science/configs"
 # The paper's relative L2 test errors (Li et al. 2021, Table 1 for Burgers at s = 1024 and viscosity 1e-3,
 # Table 4 for Darcy at s = 85; section 5.1's text for Burgers at viscosity 0.1 on 256 points).
 PAPER = {"burgers_nu1e-3": 0.0160, "darcy": 0.0108, "burgers_nu0.1": 0.0018}
-# The issue's bars for the 5-minute CPU configs (the paper-sized configs' bar is the paper's figure).
+# The bars for the 5-minute CPU configs (the paper-sized configs' bar is the paper's figure).
 CPU_BARS = {"darcy": 0.03}
 # name -> (problem, config file, backend, extra overrides)
 RUNS: dict[str, tuple[str, str, str, list[str]]] = {
@@ -121,10 +121,32 @@ def run_recipe(name: str, out_dir: Path) -> dict:
         n_test=summary["n_test"],
         data_generation_seconds=summary["data_meta"].get("generation_seconds"),
         paper_rel_l2=PAPER[problem],
-        git_commit=git_commit(),  # per row: a partial rerun keeps the other rows with their own commit
+        provenance=provenance(),  # per row: a partial rerun keeps the other rows with the run that measured them
     )
     print(f"[{name}] relative L2 {row['val_rel_l2']:.4f} in {elapsed:.0f} s", flush=True)
     return row
+
+
+def measured_runs(command: str) -> list[str]:
+    """The rows a command of this bench measured: its ``--runs`` names, else the default CPU rows."""
+    args = shlex.split(command)
+    if "--runs" not in args:
+        return list(CPU_RUNS)
+    names = args[args.index("--runs") + 1 :]
+    return names[: next((i for i, arg in enumerate(names) if arg.startswith("-")), len(names))]
+
+
+def row_provenance(row: dict, file_provenance: dict) -> dict | None:
+    """A kept row's own provenance. Rows written before rows carried one hold only their ``git_commit``: the
+    file's provenance is theirs when that run measured them (their name in its ``--runs``, the same commit);
+    otherwise nothing is known of their run, and the provenance check asks for a rerun."""
+    if "provenance" in row:
+        return row["provenance"]
+    if row.get("git_commit") == file_provenance["git_commit"] and row["name"] in measured_runs(
+        file_provenance["command"]
+    ):
+        return file_provenance
+    return None
 
 
 def solver_errors(samples: int) -> dict:
@@ -147,6 +169,15 @@ PROBLEM_LABELS = {
 }
 
 
+def runs_by_provenance(rows: list[dict]) -> dict[tuple[str, str, str], list[str]]:
+    """(bench command, commit, day) -> the rows that run measured, in the table's order."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for row in rows:
+        prov = row.get("provenance") or {"command": "unknown", "git_commit": "unknown", "date": "unknown"}
+        groups.setdefault((prov["command"], prov["git_commit"], prov["date"][:10]), []).append(row["name"])
+    return groups
+
+
 def problems_body(results: dict) -> str:
     lines = [
         "| problem | config | precision | ZeRO stage | backend | our rel. L2 | paper's rel. L2 | bar | "
@@ -164,6 +195,9 @@ def problems_body(results: dict) -> str:
             f"| {row['backend']} | **{row['val_rel_l2']:.4f}** | {row['paper_rel_l2']} | {verdict} | {row['steps']} "
             f"| {row['wall_time_s']:.0f} s | `{row['command']}` |"
         )
+    lines += ["", "Each row's own run of this bench (a partial rerun with `--runs` keeps the other rows):", ""]
+    for (command, commit, date), names in runs_by_provenance(results["runs"]).items():
+        lines.append(f"- `{command}` at commit `{commit[:10]}` ({date}): {', '.join(names)}")
     lines.append("")
     lines.append(
         "Wall time: rank 0's `wall_time_s` from `summary.json` (start of `main()` to the summary, data cache read "
@@ -212,7 +246,8 @@ def main() -> None:
     if args.json.exists() and set(args.runs) != set(CPU_RUNS):  # a partial rerun keeps the other rows
         previous = load_document(args.json)
         for row in previous["results"]["runs"]:
-            kept[row["name"]] = {**row, "git_commit": row.get("git_commit", previous["provenance"]["git_commit"])}
+            kept[row["name"]] = {**row, "provenance": row_provenance(row, previous["provenance"])}
+            kept[row["name"]].pop("git_commit", None)  # now inside the row's provenance
     rows = dict(kept)
     with tempfile.TemporaryDirectory(prefix="zr-science-bench-") as work:
         for name in args.runs:

@@ -1,4 +1,4 @@
-"""Config linter: the known ZeRO pitfalls of DESIGN.md and the guides, and upstream ones, each with its fix.
+"""Config linter: the ZeRO pitfalls of the guides (docs/design.md), those found here and upstream, each with its fix.
 
 ``zero-recipes lint CONFIG`` reads a recipe YAML, a DeepSpeed JSON or an accelerate YAML, normalises
 it into a :class:`LintView` (the DeepSpeed dict, the recipe config dict or None, the source kind, the
@@ -436,7 +436,7 @@ def rule_stage3_bucket_preallocated(view: LintView) -> list[Finding]:
             "stage3-bucket-preallocated",
             "warning",
             f"stage 3 preallocates reduce_bucket_size = {value:.3g} elements per rank: {nbytes / 1e9:.2f} GB whatever "
-            f"the model's size (measured, DESIGN.md), for a model of hidden size {view.hidden_size}",
+            f"the model's size (measured: docs/design.md), for a model of hidden size {view.hidden_size}",
             f"scale it to the model: reduce_bucket_size = 32 x hidden^2 = {scaled} (what the presets do)",
         )
     ]
@@ -838,7 +838,7 @@ def rule_accelerate_precision(view: LintView) -> list[Finding]:
     ]
 
 
-# --- NVMe offload (ZeRO-Infinity), ZeRO++ and the newer offload engines (issue 17) ----------------------------
+# --- NVMe offload (ZeRO-Infinity), ZeRO++ and the newer offload engines -------------------------------------
 
 
 def rule_nvme_offload_stage_1_2(view: LintView) -> list[Finding]:
@@ -1091,7 +1091,7 @@ def rule_bf16_optimizer_states(view: LintView) -> list[Finding]:
     ]
 
 
-# --- tensor, pipeline and expert parallelism (issue 18) ---------------------------------------------------------
+# --- tensor, pipeline and expert parallelism ------------------------------------------------------------------
 # Not checked: DeepSpeed's native MoE under ZeRO-3. DeepSpeed refuses it ("Native DeepSpeed MoE is not supported with
 # ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.", runtime/engine.py _validate_zero3_moe_compatibility), but it
 # finds native MoE by the model's modules (isinstance deepspeed.moe.layer.MoE), which no config says.

@@ -2,7 +2,7 @@
 
 Each preset is a dict literal you can read top to bottom: the ZeRO stage, the precision, the
 ``zero_optimization`` fields that differ from DeepSpeed's defaults, and a one-line *why* taken from
-the guides in ``shared/seeds`` (guide 1: memory and stages; guide 2: practice and domains).
+the two guides of docs/design.md (guide 1: memory and stages; guide 2: practice and domains).
 
 Values that depend on the run (batch sizes, bucket sizes scaled to the model, world size) are *not*
 here: :func:`common.strategy.resolve_deepspeed_config` fills them from the run facts, so that a

@@ -1,6 +1,6 @@
 """The run directory: refuse to clobber, write files atomically, record environment, metrics and summary.
 
-Layout (DESIGN.md, "A run directory")::
+Layout (docs/run_directory.md describes each file)::
 
     out_dir/config.yaml  ds_config.json  env.json  metrics.jsonl  tb/  checkpoints/  final/  summary.json
 

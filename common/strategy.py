@@ -144,7 +144,7 @@ def bucket_elements(hidden_size: int | None) -> int:
 
     DeepSpeed's default (and the guide's starting point) is 5e8 elements. Under stage 3 the reduce
     bucket is preallocated: 5e8 bf16 elements cost 1 GB per rank whatever the model's size (measured
-    here, DESIGN.md), so small models get smaller buckets. 32 x hidden^2 reaches the guide's 5e8 at
+    here: docs/design.md), so small models get smaller buckets. 32 x hidden^2 reaches the guide's 5e8 at
     hidden ~4000 (7B class) and gives ~2e6 for a 256-wide model.
     """
     if hidden_size is None:
@@ -662,7 +662,7 @@ def accelerator_kwargs(
     """``Accelerator`` keyword arguments: plugin, mixed precision, accumulation, and a gloo-safe process group.
 
     With ``--use_deepspeed`` on a CPU a plain ``Accelerator()`` may count one process while DeepSpeed runs
-    two; naming the backend explicitly fixes it (DESIGN.md, "Found on the way"). Hang detection is armed
+    two; naming the backend explicitly fixes it (docs/design.md, "Found on the way"). Hang detection is armed
     too (:func:`arm_hang_detection`), and freed host memory is kept (:func:`common.host_memory.keep_freed_memory`);
     ``timeout`` and ``run_dir`` as for :func:`lightning_trainer_kwargs`.
     """

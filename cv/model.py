@@ -12,7 +12,7 @@ from transformers import AutoModelForImageClassification, PreTrainedModel, SwinC
 # Named SwinConfig keyword arguments. `image_size` here is the size each one is designed for; build_model replaces
 # it with the data's size (after checking that the size fits the architecture).
 SWIN_SIZES: dict[str, dict[str, Any]] = {
-    # Small enough to train on digits on a laptop CPU in about a minute (DESIGN.md, calibration): ~209k parameters.
+    # Small enough to train on digits on a laptop CPU in about a minute (docs/cv.md): ~210k parameters.
     "tiny": {
         "image_size": 32,
         "patch_size": 4,

@@ -6,6 +6,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# Two processes on two cores: one intra-op thread each (DESIGN.md: two threads made steps 4x slower).
+# Two processes on two cores: one intra-op thread each (docs/design.md: more threads compete for the same cores).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -54,7 +54,7 @@ class FinetuneConfig:
     precision: str = "bf16"  # bf16, fp16 or fp32
     ds_overrides: list[str] = field(default_factory=list)  # DeepSpeed key=value, e.g. zero_optimization.stage=2
     activation_checkpointing: str = "none"  # none|full|every_k|selective|save_memory_optimized (frozen base: fine)
-    gradient_clipping: float = 1.0  # LoRA without clipping diverged to a constant answer here (DESIGN.md)
+    gradient_clipping: float = 1.0  # LoRA without clipping diverged to a constant answer here (docs/design.md)
     nvme_path: str = ""  # local NVMe folder the *_offload_nvme presets swap to ("": none)
     sequence_parallel: int = 1  # Ulysses: N ranks split each sequence; activations / N, world = N x data parallel
     # --- optimisation ---

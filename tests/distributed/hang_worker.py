@@ -1,13 +1,13 @@
 """A small ZeRO-2 training run on the factory, with one fault switched on, for tests/distributed/test_hang.py.
 
-    python tests/distributed/hang_worker.py --backend lightning --fault sleep --out RUN        # Lightning starts rank 1
-    accelerate launch --config_file RUN/accelerate.yaml --num_processes 2 \\
-        tests/distributed/hang_worker.py --backend accelerate --fault skip --out RUN
+    python tests/distributed/hang_worker.py --backend lightning --fault sleep --fault-rank 0 --out RUN
+    accelerate launch --config_file RUN/accelerate.yaml --num_processes 4 \\
+        tests/distributed/hang_worker.py --backend accelerate --fault skip --fault-rank 2 --out RUN
 
 Each step computes the loss, all-reduces it for the log (as the recipes do) and lets DeepSpeed reduce the
 gradients. At optimizer step ``--fault-step`` rank ``--fault-rank`` then misbehaves:
-- ``skip``: it does not issue the loss all-reduce (the other rank does);
-- ``shape``: it all-reduces 2 numbers where the other rank all-reduces 1;
+- ``skip``: it does not issue the loss all-reduce (the other ranks do);
+- ``shape``: it all-reduces 2 numbers where the other ranks all-reduce 1;
 - ``sleep``: it sleeps forever inside the step, outside any collective.
 Hang detection comes only from the factory calls (``lightning_trainer_kwargs`` / ``accelerator_kwargs`` with
 ``timeout`` and ``run_dir``), as in a recipe. The faulty rank writes ``RUN/fault.json`` (its rank, the step, the
@@ -87,7 +87,7 @@ def run_lightning(args: argparse.Namespace, ds_config: dict) -> None:
 
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=args.processes,
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,
@@ -124,13 +124,14 @@ def main() -> None:
     parser.add_argument("--fault", choices=FAULTS, default="none")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=2)
+    parser.add_argument("--processes", type=int, default=2, help="ranks Lightning starts (Accelerate: the launcher's)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=10.0, help="collective timeout, seconds")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    world = int(os.environ.get("WORLD_SIZE", 2))
+    world = int(os.environ.get("WORLD_SIZE", args.processes))
     ds_config = resolve_deepspeed_config(
         "deepspeed_stage_2", RunFacts(world_size=world, micro_batch_size=MICRO_BATCH, precision="fp32")
     )

@@ -1,12 +1,13 @@
-"""A run that hangs explains itself: faults injected into a real 2-process ZeRO-2 run on the factory.
+"""A run that hangs explains itself: faults injected into a real ZeRO-2 run on the factory, of 2 and 4 processes.
 
 tests/distributed/hang_worker.py trains through ``lightning_trainer_kwargs`` / ``accelerator_kwargs`` (hang detection
-comes from those calls alone, as in a recipe) and, at optimizer step 2, makes rank 1 (a) skip the loss all-reduce,
-(b) all-reduce 2 numbers where rank 0 all-reduces 1, or (c) sleep forever inside the step. For each: every process
-exits within 60 s after the collective timeout (10 s), none is left running, and the diagnosis (the error message,
-the files in RUN/hang/ and ``zero-recipes doctor --hang RUN``) names rank 1 and the collective, by the sequence
-number the faulty rank recorded for itself before the fault (an independent record: the worker reads torch's
-counter, the diagnosis reads the ranks' flight recorders).
+comes from those calls alone, as in a recipe) and, at optimizer step 2, makes one rank (a) skip the loss all-reduce,
+(b) all-reduce 2 numbers where the others all-reduce 1, or (c) sleep forever inside the step. The faulty rank is
+rank 1 or rank 0 of 2 (rank 0 is the process Lightning's launcher runs in, and the one that writes the run's files)
+and rank 2 of 4. For each: every process exits within 60 s after the collective timeout (10 s), none is left
+running, and the diagnosis (the error message, the files in RUN/hang/ and ``zero-recipes doctor --hang RUN``) names
+the faulty rank and the collective, by the sequence number the faulty rank recorded for itself before the fault (an
+independent record: the worker reads torch's counter, the diagnosis reads the ranks' flight recorders).
 
 Then ``zero-recipes doctor --collectives`` on the 2-node localhost layout (one torchrun per "node"), with rank 1's
 matmuls slowed down by tests/distributed/slow_rank_doctor.py, names rank 1 as the slow rank.
@@ -53,16 +54,17 @@ def processes_marked(run_id: str) -> list[int]:
     return found
 
 
-def launch(backend: str, fault: str, out: Path) -> tuple[str, float]:
+def launch(backend: str, fault: str, fault_rank: int, world: int, out: Path) -> tuple[str, float]:
     """Run the worker as a user would; return (its output, seconds from the fault until no process of it is left)."""
     run_id = uuid.uuid4().hex
-    args = ["--backend", backend, "--fault", fault, "--timeout", str(TIMEOUT_S), "--out", str(out)]
+    args = ["--backend", backend, "--fault", fault, "--fault-rank", str(fault_rank), "--timeout", str(TIMEOUT_S)]
+    args += ["--out", str(out)]
     if backend == "lightning":
-        command = [PYTHON, WORKER, *args]
+        command = [PYTHON, WORKER, *args, "--processes", str(world)]
     else:
-        ds = resolve_deepspeed_config("deepspeed_stage_2", RunFacts(world_size=2, micro_batch_size=8, precision="fp32"))
-        config = write_accelerate_files(ds, out / "launch", num_processes=2)
-        command = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "2"]
+        facts = RunFacts(world_size=world, micro_batch_size=8, precision="fp32")
+        config = write_accelerate_files(resolve_deepspeed_config("deepspeed_stage_2", facts), out / "launch", world)
+        command = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", str(world)]
         command += ["--main_process_port", str(free_port()), WORKER, *args]
     env = subprocess_env(**{MARKER: run_id})
     with subprocess.Popen(
@@ -92,46 +94,59 @@ def doctor_hang(run_dir: Path, capsys) -> str:
     return capsys.readouterr().out
 
 
-# (backend, fault, what rank 0 and rank 1 issued as the collective with the fault's sequence number). Each fault
-# runs on one backend and each backend gets a fault: the detector is the same code under both, the backends differ in
-# how it is wired in (all six ran and passed before the suite's time budget asked for half).
+# (backend, fault, faulty rank, ranks). Each fault runs on one backend, each backend gets a fault and a faulty rank 0:
+# the detector is the same code under both, the backends differ in how it is wired in (all six fault x backend pairs
+# ran and passed before the suite's time budget asked for fewer). Rank 2 of 4: a rank neither first nor last, among
+# more than one waiting rank.
 CASES = [
-    (backend, fault, "all_reduce [1] Float", "all_reduce [2] Float" if fault == "shape" else "nothing")
-    for backend, fault in (("lightning", "skip"), ("accelerate", "shape"), ("lightning", "sleep"))
+    ("lightning", "skip", 1, 2),
+    ("accelerate", "shape", 0, 2),
+    ("lightning", "sleep", 0, 2),
+    ("accelerate", "skip", 2, 4),
 ]
+
+
+def expected_issued(fault: str, fault_rank: int, world: int) -> dict[int, str]:
+    """What each rank issued as the fault's collective: the loss all-reduce of one number, except the faulty rank."""
+    faulty = {"skip": "nothing", "sleep": "nothing", "shape": "all_reduce [2] Float"}[fault]
+    return {rank: faulty if rank == fault_rank else "all_reduce [1] Float" for rank in range(world)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("backend", "fault", "rank0_issued", "rank1_issued"), CASES, ids=[f"{b}-{f}" for b, f, *_ in CASES]
+    ("backend", "fault", "fault_rank", "world"), CASES, ids=[f"{b}-{f}-rank{r}-of-{w}" for b, f, r, w in CASES]
 )
-def test_a_fault_names_the_rank_and_the_collective(tmp_path, capsys, backend, fault, rank0_issued, rank1_issued):
-    output, exited_after_s = launch(backend, fault, tmp_path)
+def test_a_fault_names_the_rank_and_the_collective(tmp_path, capsys, backend, fault, fault_rank, world):
+    output, exited_after_s = launch(backend, fault, fault_rank, world, tmp_path)
     assert exited_after_s <= TIMEOUT_S + EXIT_WITHIN_S
     fault_record = json.loads((tmp_path / "fault.json").read_text())
+    assert fault_record["rank"] == fault_rank
     seq, step = fault_record["seq"], fault_record["step"]
 
     # Every rank wrote its own report: stacks, last collectives, step.
     hang_dir = tmp_path / "hang"
-    for rank in (0, 1):
+    for rank in range(world):
         report = json.loads((hang_dir / f"rank{rank}.json").read_text())
         assert report["step"]["optimizer_steps"] == step
         assert report["collectives"], "no collectives recorded"
         assert "hang_worker.py" in (hang_dir / f"rank{rank}.stacks.txt").read_text()
 
     # The diagnosis, from the files: the fault's collective, what each rank issued there, who fell behind.
+    issued = expected_issued(fault, fault_rank, world)
     diagnosis = analyze(*read_reports(hang_dir))
     assert (diagnosis.group, diagnosis.seq) == ("0", seq)
-    assert diagnosis.issued == {0: rank0_issued, 1: rank1_issued}
-    assert diagnosis.behind == ([1] if rank1_issued == "nothing" else [])
+    assert diagnosis.issued == issued
+    assert diagnosis.behind == ([fault_rank] if issued[fault_rank] == "nothing" else [])
     if fault == "sleep":
-        assert "hang_worker.py" in diagnosis.ranks[1] and "not in a collective" in diagnosis.ranks[1]
+        where = diagnosis.ranks[fault_rank]
+        assert "hang_worker.py" in where and "not in a collective" in where, where
 
     # The same names in the error message of the run and in doctor --hang.
+    every_rank = "; ".join(f"rank {rank}: {what}" for rank, what in issued.items())
     for text in (output, doctor_hang(tmp_path, capsys)):
-        assert f"#{seq} on process group 0 (rank 0: {rank0_issued}; rank 1: {rank1_issued})" in text
-        if rank1_issued == "nothing":
-            assert "rank(s) 1 fell behind" in text
+        assert f"#{seq} on process group 0 ({every_rank})" in text, text[-3000:]
+        if issued[fault_rank] == "nothing":
+            assert f"rank(s) {fault_rank} fell behind" in text
     assert "error: hang:" in output
 
 

@@ -1,6 +1,6 @@
 """Train worker.py's MLP, wider, through Lightning or Accelerate with an NVMe-offload or ZeRO++ preset; record facts.
 
-The storage and communication tiers beyond the three stages (issue 17) need a model of their own size: DeepSpeed swaps
+The storage and communication tiers beyond the three stages need a model of their own size: DeepSpeed swaps
 a partition to NVMe only when it has at least 1 MiB (smaller ones stay in host RAM without a word), so the blocks
 here are 1024 wide (each matrix's partition on 2 ranks is 4 MiB in fp32). Each rank writes ``OUT/rank{r}.json`` with
 its per-step losses, the fixed-batch loss before and after, the engine's ZeRO fields, the swap files DeepSpeed had

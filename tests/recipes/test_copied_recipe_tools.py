@@ -13,13 +13,18 @@ import subprocess
 import pytest
 from _util import subprocess_env
 
-# The probe's candidate run: a few steps on a small grid (what the recipe's SMOKE_OVERRIDES run).
+from science.fno import FNO1d, count_parameters
+
+# The probe's candidate run: a few steps on a small grid (what the recipe's SMOKE_OVERRIDES run), with the copy's own
+# width (the fixture's edit), so that what the probe measures shows whose model it ran.
+TINY_MODEL = {"modes": 8, "n_layers": 2, "proj_width": 32}
 TINY_SCIENCE = [
     arg
-    for kv in ("n_train=40", "n_test=8", "grid_size=64", "solve_grid=256", "modes=8", "width=16", "n_layers=2",
-               "proj_width=32", "micro_batch_size=4", "data_workers=1")
+    for kv in ("n_train=40", "n_test=8", "grid_size=64", "solve_grid=256", "micro_batch_size=4", "data_workers=1",
+               *(f"{key}={value}" for key, value in TINY_MODEL.items()))
     for arg in ("--set", kv)
 ]  # fmt: skip
+COPY_WIDTH, SHIPPED_WIDTH = 96, 64
 
 
 def zr(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -40,8 +45,8 @@ def science_copy(tmp_path):
     assert out.returncode == 0, out.stderr
     config = tmp_path / "my_science" / "configs" / "tiny_cpu.yaml"
     text = config.read_text()
-    assert "\nwidth: " in text, "the science tiny config no longer sets width: pick another knob for this test"
-    lines = [("width: 96" if line.startswith("width: ") else line) for line in text.splitlines()]
+    assert f"\nwidth: {SHIPPED_WIDTH} " in text, "the science tiny config's width changed: update SHIPPED_WIDTH"
+    lines = [(f"width: {COPY_WIDTH}" if line.startswith("width: ") else line) for line in text.splitlines()]
     config.write_text("\n".join(lines) + "\n")
     return tmp_path
 
@@ -74,5 +79,14 @@ def test_probe_measures_the_copy(science_copy):
     assert probed.returncode == 0, probed.stdout[-2000:] + probed.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     (row,) = report["rows"]
-    assert row["status"] == "ok" and row["model_state_bytes_per_rank"] > 0, row
+    assert row["status"] == "ok" and row["world_size"] == 1, row
+    # The copy's model, counted here from its architecture: the width the copy's config sets, not the shipped one.
+    copy_params, shipped_params = (
+        count_parameters(FNO1d(width=width, fp32_head=True, **TINY_MODEL)) for width in (COPY_WIDTH, SHIPPED_WIDTH)
+    )
+    assert json.loads((science_copy / row["out_dir"] / "summary.json").read_text())["num_params"] == copy_params
+    assert copy_params > shipped_params
+    # Measured on the copy's DeepSpeed engine: ZeRO-2 in bf16 on one rank, once the step has released the gradients,
+    # holds 2 B of bf16 weights and 12 B of fp32 master weights, m and v per parameter (guide 1's 2K + 12K/N, N = 1).
+    assert row["model_state_bytes_per_rank"] == pytest.approx(14 * copy_params, rel=1e-3), row
     assert (out / "recommended.yaml").is_file()

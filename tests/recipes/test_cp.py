@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _util import REPO, subprocess_env
+from _util import REPO, recipe_module, subprocess_env
 
+from common.config import load_config
 from common.errors import ConfigError
 from common.tools.copy_recipe import copy_recipe
 from common.tools.recipes import shipped_recipes
@@ -106,10 +108,31 @@ def test_cli_refuses_a_non_empty_folder_in_one_line(tmp_path):
     assert snapshot(dest) == {"train.py": b"# mine\n"}
 
 
-def test_every_recipe_defines_smoke_overrides():
-    for recipe in shipped_recipes():
-        configs = list(recipe.folder.glob("*_config.py"))
-        assert configs and all("SMOKE_OVERRIDES" in p.read_text() for p in configs), recipe.name
+def config_class(module):
+    """The recipe config dataclass a ``*_config.py`` module defines (``CVConfig``, ``FinetuneConfig``, ...)."""
+    (cls,) = [
+        value
+        for name, value in vars(module).items()
+        if name.endswith("Config") and dataclasses.is_dataclass(value) and value.__module__ == module.__name__
+    ]
+    return cls
+
+
+def test_every_recipe_config_has_smoke_overrides_that_load_and_shrink_the_run():
+    """What ``cp``'s generated smoke test runs: every override names a field of the config and converts to its type
+    (load_config refuses anything else), and the run is a few steps, not the default's."""
+    folders = sorted({recipe.folder for recipe in shipped_recipes()})
+    assert {folder.name for folder in folders} >= {"cv", "nlp", "science"}
+    for folder in folders:
+        modules = sorted(folder.glob("*_config.py"))
+        assert modules, folder
+        for path in modules:
+            module = recipe_module(folder, path.stem)
+            cls = config_class(module)
+            smoke = load_config(cls, module.DEFAULT_CONFIG, module.SMOKE_OVERRIDES)
+            default = load_config(cls, module.DEFAULT_CONFIG)
+            assert smoke.max_steps < default.max_steps and smoke.max_steps <= 20, (path.name, smoke.max_steps)
+            assert smoke != default
 
 
 @pytest.mark.slow

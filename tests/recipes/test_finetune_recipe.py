@@ -4,7 +4,7 @@ The multi-process tests start the real scripts with 2 CPU processes and real Dee
 model made here (a 2-layer Llama saved with ``save_pretrained`` and a BPE tokenizer trained on a few standard-library
 files), never on ``runs/``. ``stage3_param_persistence_threshold=0`` forces every LoRA matrix to be partitioned:
 with the preset's threshold, small adapters stay whole on every rank and a save without gathering would look
-complete (DESIGN.md). Each backend runs once with full activation checkpointing on the frozen base and is resumed
+complete (docs/design.md). Each backend runs once with full activation checkpointing on the frozen base and is resumed
 once. The Lightning run is long enough to learn: it starts from a briefly pretrained copy of the base (next-token
 loss on the same files, in the test) and trains 150 steps, so that it also backs docs/finetune.md's claim. Checked:
 - every saved adapter tensor has its whole shape and a non-zero norm, their count equals the trainable tensors and
@@ -89,7 +89,7 @@ LEARN = [
     "checkpoint_interval=50",
 ]
 LEARN_STEPS = 150
-MIN_GAIN = 0.3  # issue 14: held-out exact match over max(base, majority answer)
+MIN_GAIN = 0.3  # the fine-tuning bar: held-out exact match over max(base, majority answer)
 STATE_BYTES_RTOL = 0.05  # model_state_bytes_per_rank against `zero-recipes estimate --lora-rank`
 PRETRAIN_STEPS = 500  # next-token steps that turn the random base into one with useful features (about 25 s)
 EXE = shutil.which("zero-recipes")

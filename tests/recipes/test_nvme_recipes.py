@@ -1,5 +1,5 @@
 """The NLP and science recipes with ZeRO-Infinity, as a user runs them: ``preset=deepspeed_stage_3_offload_nvme
-nvme_path=DIR`` on 2 CPU processes (issue 17).
+nvme_path=DIR`` on 2 CPU processes.
 
 tests/distributed/test_nvme_offload.py proves the NVMe tier's math (fp32 losses equal to stage 0) on a model of its
 own; this file proves that the shipped entry points take the preset with nothing else changed: the run finishes,

@@ -16,7 +16,7 @@ from common.activation import AC_PRESETS, SavedBytesCounter, apply_activation_ch
 from common.memory_formulas import facts_from_model_config, transformer_activations
 from nlp.model import build_llama_config, build_model_from_config
 
-TOLERANCE = 0.10  # the bar; measured agreement here is within 0.1 %
+TOLERANCE = 0.10  # the planner's bar; measured agreement here is within 0.1 %
 VOCAB = 128
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Small Llama shapes: plain multi-head, and grouped-query attention with a wider MLP.

@@ -11,9 +11,11 @@ hand-edited table, a hand-written results file or a doc left behind by a rerun f
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,6 +46,10 @@ RESULTS_BENCH = {
     "long_context.json": "long_context.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
+MACHINE_KEYS = ("cpu_model", "cpu_count", "memory_bytes", "disks")
+# Results files whose rows can come from different runs of their bench (a partial rerun keeps the other rows): the
+# key of the row list. Each row carries the provenance of the run that measured it.
+ROW_PROVENANCE = {"science_errors.json": "runs"}
 
 RESULTS_FILES = sorted(p.name for p in RESULTS_DIR.iterdir() if p.is_file())
 
@@ -81,17 +87,42 @@ def parse_section(name: str, block: str) -> dict[str, str]:
     return match.groupdict()
 
 
-def provenance_problems(document, bench: str) -> list[str]:
-    """What is wrong with a results document's provenance (empty when its bench wrote it through write_results)."""
-    if not isinstance(document, dict) or set(document) != {"provenance", "results"}:
-        return ["not written by write_results (no provenance)"]
-    prov = document["provenance"]
+@functools.cache
+def machine_recorded_since() -> str | None:
+    """The commit from which bench/_bench_util.provenance records the machine (None outside a git checkout)."""
+    log = subprocess.run(
+        ["git", "log", "--reverse", "--format=%H", "-S", '"machine": machine_facts(', "--", "bench/_bench_util.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    commits = log.stdout.split() if log.returncode == 0 else []
+    return commits[0] if commits else None
+
+
+def records_the_machine(commit: str) -> bool:
+    """Whether code at ``commit`` recorded the machine: a results file written there must name it; one written
+    before the provenance did is judged on what it recorded then. Outside a git checkout nothing can be told, and
+    the machine is not asked for."""
+    since = machine_recorded_since()
+    if since is None:
+        return False
+    ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", since, commit], cwd=REPO, capture_output=True)
+    return ancestor.returncode == 0
+
+
+def problems_of(prov, bench: str) -> list[str]:
+    """What is wrong with one provenance record: a file's, or a row's own."""
+    if not isinstance(prov, dict):
+        return ["no provenance"]
     problems = [f"provenance lacks {key}" for key in PROVENANCE_KEYS if not prov.get(key)]
     if problems:
         return problems
     if f"bench/{bench}" not in prov["command"]:
         problems.append(f"written by {prov['command']!r}, not bench/{bench}")
-    if not re.fullmatch(r"[0-9a-f]{40}(-dirty)?", prov["git_commit"]):
+    if prov["git_commit"].endswith("-dirty"):
+        problems.append(f"measured on an uncommitted tree ({prov['git_commit']}): rerun it from a clean commit")
+    elif not re.fullmatch(r"[0-9a-f]{40}", prov["git_commit"]):
         problems.append(f"git_commit {prov['git_commit']!r} is not a commit")
     try:
         datetime.datetime.fromisoformat(prov["date"])
@@ -100,6 +131,20 @@ def provenance_problems(document, bench: str) -> list[str]:
     problems += [f"versions lack {pkg}" for pkg in ("torch", "deepspeed") if not prov["versions"].get(pkg)]
     if not isinstance(prov["cpu_count"], int) or prov["cpu_count"] < 1:
         problems.append(f"cpu_count {prov['cpu_count']!r}")
+    machine = prov.get("machine")
+    if machine is not None or (not problems and records_the_machine(prov["git_commit"])):
+        problems += [f"machine lacks {key}" for key in MACHINE_KEYS if not (machine or {}).get(key)]
+    return problems
+
+
+def provenance_problems(document, bench: str, rows_key: str | None = None) -> list[str]:
+    """What is wrong with a results document's provenance (empty when its bench wrote it through write_results),
+    and with each row's own under ``rows_key``."""
+    if not isinstance(document, dict) or set(document) != {"provenance", "results"}:
+        return ["not written by write_results (no provenance)"]
+    problems = problems_of(document["provenance"], bench)
+    for row in document["results"].get(rows_key, []) if rows_key else []:
+        problems += [f"row {row.get('name', '?')}: {problem}" for problem in problems_of(row.get("provenance"), bench)]
     return problems
 
 
@@ -111,7 +156,7 @@ def test_every_results_file_has_provenance_from_its_bench(filename):
         document = json.loads((RESULTS_DIR / filename).read_text())
     except ValueError as err:
         pytest.fail(f"bench/results/{filename} is not JSON ({err}): rerun `python bench/{bench}`")
-    problems = provenance_problems(document, bench)
+    problems = provenance_problems(document, bench, ROW_PROVENANCE.get(filename))
     assert not problems, f"bench/results/{filename}: {'; '.join(problems)}: rerun `python bench/{bench}`"
 
 
@@ -125,8 +170,39 @@ def test_the_provenance_check_refuses_a_hand_written_file_and_accepts_write_resu
     typed_provenance = {"provenance": {"command": "python bench/overhead.py", "date": "yesterday"}, "results": {}}
     assert "provenance lacks git_commit" in provenance_problems(typed_provenance, "overhead.py")
     written = write_results(tmp_path / "x.json", {"x": 1}, argv=["bench/stages.py", "--reps", "1"])
-    assert provenance_problems(json.loads((tmp_path / "x.json").read_text()), "stages.py") == []
-    assert provenance_problems(written, "gpu.py") == ["written by 'python bench/stages.py --reps 1', not bench/gpu.py"]
+    commit = written["provenance"]["git_commit"]  # "-dirty" while this checkout has uncommitted changes
+    dirty = [f"measured on an uncommitted tree ({commit}): rerun it from a clean commit"] if "-" in commit else []
+    assert provenance_problems(json.loads((tmp_path / "x.json").read_text()), "stages.py") == dirty
+    wrong_bench = "written by 'python bench/stages.py --reps 1', not bench/gpu.py"
+    assert provenance_problems(written, "gpu.py") == [wrong_bench, *dirty]
+    machine = written["provenance"]["machine"]
+    assert machine["cpu_count"] >= 1 and machine["memory_bytes"] > 0 and machine["cpu_model"]
+    assert machine["disks"]["working directory"]["filesystem"]  # the disk a bench writes to by default
+
+
+def test_the_provenance_check_refuses_a_dirty_commit_and_a_row_without_its_own_run(tmp_path):
+    """Per-row provenance: a partial rerun keeps rows of other runs, so each row carries its own, checked alone."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from _bench_util import provenance
+
+    clean = provenance(["bench/science_errors.py", "--runs", "darcy-bf16"])
+    clean["git_commit"] = "0" * 40  # not a descendant of the machine's recording: judged on what it has
+    dirty = {**clean, "git_commit": "1" * 40 + "-dirty"}
+    rows = [{"name": "darcy-bf16", "provenance": clean}, {"name": "darcy-fp32", "provenance": dirty}]
+    rows.append({"name": "darcy-bf16-accelerate", "git_commit": "2" * 40})  # the old shape: a commit, no run
+    document = {"provenance": clean, "results": {"runs": rows}}
+    assert provenance_problems(document, "science_errors.py") == []  # the file's own provenance alone
+    assert provenance_problems(document, "science_errors.py", "runs") == [
+        f"row darcy-fp32: measured on an uncommitted tree ({'1' * 40}-dirty): rerun it from a clean commit",
+        "row darcy-bf16-accelerate: no provenance",
+    ]
+    no_machine = {key: value for key, value in clean.items() if key != "machine"}
+    since = machine_recorded_since()
+    if since is not None:  # written by code that records the machine, without it
+        assert problems_of({**no_machine, "git_commit": since}, "science_errors.py") == [
+            f"machine lacks {key}" for key in MACHINE_KEYS
+        ]
+        assert problems_of({**no_machine, "git_commit": "0" * 40}, "science_errors.py") == []  # before it did
 
 
 @pytest.mark.parametrize("filename", [f for f in RESULTS_FILES if f in RESULTS_BENCH])
@@ -160,21 +236,24 @@ def test_every_rendering_bench_has_a_results_file():
 def test_every_marked_docs_section_is_rendered_by_a_bench():
     """A section between markers that no bench renders would look machine-written while typed by hand."""
     marked = {name for doc in DOCS for name in re.findall(r"<!-- (.+?):start -->", doc.read_text())}
-    rendered, pending = set(), []
+    rendered = set()
     for filename in RESULTS_FILES:
         bench = RESULTS_BENCH.get(filename)
-        render = getattr(load_bench(bench), "render_sections", None) if bench else None
-        if render is None:
-            pending.append(bench)
-            continue
-        try:
-            rendered |= set(render(json.loads((RESULTS_DIR / filename).read_text())))
-        except (KeyError, TypeError):
-            pending.append(bench)  # results not yet in the shape the bench renders: the test above names it
+        assert bench, f"bench/results/{filename}: no bench known to write it"
+        rendered |= set(renderer(bench)(json.loads((RESULTS_DIR / filename).read_text())))
     orphans = sorted(marked - rendered)
-    if orphans and pending:
-        pytest.skip(f"sections {orphans} may come from {sorted(set(filter(None, pending)))}, not rendered yet")
     assert not orphans, f"docs sections {orphans} are marked as rendered but no bench renders them"
+
+
+def test_an_unrendered_marked_section_is_found(tmp_path):
+    """The check above, on a doc holding a rendered section and one typed between markers."""
+    doc = tmp_path / "page.md"
+    doc.write_text(
+        "<!-- presets:start -->\n## presets\n<!-- presets:end -->\n<!-- typed:start -->\nx\n<!-- typed:end -->"
+    )
+    marked = set(re.findall(r"<!-- (.+?):start -->", doc.read_text()))
+    rendered = set(renderer("stages.py")(json.loads((RESULTS_DIR / "stages.json").read_text())))
+    assert "presets" in rendered and sorted(marked - rendered) == ["typed"]
 
 
 def test_hang_overhead_prices_the_watchdog_per_step_from_its_own_cpu_time():
@@ -192,3 +271,21 @@ def test_hang_overhead_prices_the_watchdog_per_step_from_its_own_cpu_time():
         for s in bench.watchdog_shares(cell)
     ]
     assert shares and all(0 < share < 0.02 for share in shares)  # the published direct figure: under the 2 % goal
+
+
+def test_a_kept_science_row_takes_the_files_provenance_only_if_that_run_measured_it():
+    """A row written before rows carried their own provenance holds only its commit: it is the file's run's row only
+    when that run's command named it (or named no rows: the default set) at the same commit."""
+    bench = load_bench("science_errors.py")
+    file_prov = {
+        "command": "python bench/science_errors.py --runs darcy-fp32 burgers-nu0.1-bf16",
+        "git_commit": "a" * 40,
+    }
+    measured = {"name": "darcy-fp32", "git_commit": "a" * 40}
+    assert bench.row_provenance(measured, file_prov) is file_prov
+    assert bench.row_provenance({"name": "darcy-bf16", "git_commit": "a" * 40}, file_prov) is None  # not in --runs
+    assert bench.row_provenance({"name": "darcy-fp32", "git_commit": "b" * 40}, file_prov) is None  # another commit
+    default_run = {"command": "python bench/science_errors.py", "git_commit": "a" * 40}
+    assert bench.row_provenance({"name": "darcy-bf16", "git_commit": "a" * 40}, default_run) is default_run
+    own = {"command": "python bench/science_errors.py --runs darcy-bf16", "git_commit": "c" * 40}
+    assert bench.row_provenance({"name": "darcy-bf16", "provenance": own}, file_prov) is own

@@ -1,4 +1,4 @@
-"""bench/checkpoint.py states the save-time scaling its table shows (issue 19: "with the scaling stated")."""
+"""bench/checkpoint.py states the save-time scaling its table shows (the save time's scaling, stated)."""
 
 from __future__ import annotations
 

@@ -140,7 +140,7 @@ def test_out_dir_refusal_and_not_a_checkpoint(tmp_path):
 
 
 def test_locate_follows_the_pointers_from_every_folder_a_user_points_at(tmp_path):
-    """The run, its checkpoints/, one step_* folder and the tag folder all find the same tag folder (issue 19)."""
+    """The run, its checkpoints/, one step_* folder and the tag folder all find the same tag folder."""
     run = tmp_path / "run"
     tag = run / "checkpoints" / "step_000004" / "checkpoint"
     tag.mkdir(parents=True)

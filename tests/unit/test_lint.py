@@ -56,7 +56,7 @@ FAILING_FILES = {
     "persistence-threshold": ("json", ds(3, stage3_param_persistence_threshold=10), {"hidden_size": 4096}),
     "bucket-size": ("json", ds(2, reduce_bucket_size=5e9, allgather_bucket_size=5e8), {}),
     "stage3-bucket-preallocated": ("json", ds(3), {"hidden_size": 256}),
-    # 5e12 bf16 elements = 10 TB per rank: more than any device (the issue's case).
+    # 5e12 bf16 elements = 10 TB per rank: more than any device (a typo's case).
     "stage3-bucket-exceeds-memory": ("json", ds(3, reduce_bucket_size=5e12), {"device_memory_bytes": 80e9}),
     "fp16-in-science": ("recipe:science", science_yaml(precision="fp16"), {}),
     "stage3-full-checkpointing": ("recipe:nlp", nlp_yaml(activation_checkpointing="full"), {}),
@@ -230,7 +230,7 @@ def test_stage3_bucket_is_an_error_exactly_when_its_bytes_exceed_the_device(prec
             config["bf16"] = {"enabled": False}
         view = LintView(ds_config=config, device_memory_bytes=device)
         assert [f.severity for f in lint.rule_stage3_bucket_exceeds_memory(view)] == expected, elements
-    # Stages 1-2 do not preallocate it (measured for stage 3 only, DESIGN.md); above 2e9 stays a warning there.
+    # Stages 1-2 do not preallocate it (measured for stage 3 only: docs/design.md); above 2e9 stays a warning there.
     stage2 = LintView(ds_config=ds(2, reduce_bucket_size=5e12), device_memory_bytes=device)
     assert lint.rule_stage3_bucket_exceeds_memory(stage2) == []
     assert [f.severity for f in lint.rule_bucket_size(stage2)] == ["warning"]
@@ -345,7 +345,7 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert out.returncode == 2 and out.stderr.startswith("error:")
 
 
-# --- NVMe offload, ZeRO++ and the newer offload engines (issue 17) --------------------------------------------
+# --- NVMe offload, ZeRO++ and the newer offload engines -----------------------------------------------------
 
 
 def test_zeropp_quantized_is_an_error_only_where_the_run_has_no_gpu():

@@ -184,7 +184,7 @@ def test_buffers_follow_deepspeed_and_the_measured_stage3_bucket():
     # DeepSpeed's docs: overlap_comm uses 4.5 x the buckets: 5e8 x 2 B x 2 buckets x 4.5 = 9 GB.
     zero2 = {"overlap_comm": True, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
     assert memory_formulas.buffer_bytes(2, zero2, "bf16", 0, int(5e8)) == 9e9
-    # Measured here (DESIGN.md): stage 3 preallocates reduce_bucket_size elements: 5e8 -> 1 GB, 5e7 -> 100 MB.
+    # Measured here (docs/design.md): stage 3 preallocates reduce_bucket_size elements: 5e8 -> 1 GB, 5e7 -> 100 MB.
     for bucket, preallocated in ((5e8, 1e9), (5e7, 1e8)):
         zero3 = {"reduce_bucket_size": bucket, "stage3_prefetch_bucket_size": 0}
         assert memory_formulas.buffer_bytes(3, zero3, "bf16", 0, int(bucket)) == preallocated

@@ -181,7 +181,7 @@ def test_accelerate_files_point_at_their_json(tmp_path):
     assert json.loads(json_path.read_text()) == ds
 
 
-# --- ZeRO++ and NVMe offload (issue 17) ----------------------------------------------------------------------
+# --- ZeRO++ and NVMe offload --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
