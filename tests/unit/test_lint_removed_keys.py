@@ -36,7 +36,8 @@ def config_with(key: str) -> dict:
 
 def findings(config: dict, deepspeed: str | None) -> list:
     versions = {"torch": "2.13.0", **({"deepspeed": deepspeed} if deepspeed else {})}
-    return [f for f in run_rules(LintView(ds_config=config, versions=versions)) if f.rule_id == "deepspeed-removed-keys"]
+    view = LintView(ds_config=config, versions=versions)
+    return [f for f in run_rules(view) if f.rule_id == "deepspeed-removed-keys"]
 
 
 @pytest.mark.parametrize("removed", REMOVED_DEEPSPEED_KEYS, ids=lambda r: r.key)
