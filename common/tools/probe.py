@@ -50,6 +50,7 @@ from common.memory_formulas import (
 )
 from common.presets import PRESET_NAMES, get_preset
 from common.strategy import write_accelerate_files
+from common.tools.options import refuse_outside_mode
 from common.tools.probe_report import (
     ProbeResult,
     ProbeRow,
@@ -570,6 +571,8 @@ def cmd_probe(args: Any) -> int:
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     candidates = parse_candidates(args.candidates, args.activation_checkpointing)
+    if all(preset_offload(c.preset)[1] == "none" for c in candidates):  # only offload rows get the planner's time
+        refuse_outside_mode(args, {"bandwidth": "--bandwidth"}, "offload candidates", "candidates without offload")
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated probe stops its candidate's ranks too
     result = run_probe(
         args.recipe,
