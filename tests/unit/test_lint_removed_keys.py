@@ -20,6 +20,18 @@ INSTALLED = metadata.version("deepspeed")
 BASE = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1}
 
 
+# A value each key took before its removal (DeepSpeed's own examples), so that an older DeepSpeed parses it.
+EXAMPLE_VALUES = {
+    "zero_optimization.mics_shard_size": 2,
+    "zero_optimization.mics_hierarchical_params_gather": True,
+    "zero_optimization.zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024},
+    "sparse_gradients": True,
+    "graph_harvesting": False,
+    "sparse_attention": {"mode": "fixed"},
+    "curriculum_learning": {"enabled": False},
+}
+
+
 def config_with(key: str) -> dict:
     """The smallest DeepSpeed dict that holds the removed ``key`` (:attr:`common.lint.RemovedKey.key`)."""
     path, _, optimizer = key.partition("=")
@@ -30,7 +42,7 @@ def config_with(key: str) -> dict:
     node = config
     for part in parents:
         node = node.setdefault(part, {})
-    node[leaf] = {"enabled": True} if not parents else 2
+    node[leaf] = EXAMPLE_VALUES.get(key, {"enabled": False})
     return config
 
 
