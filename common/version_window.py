@@ -5,9 +5,10 @@ CI runs the whole suite at the newest versions the window allows (the README's i
 at its lower bounds (``.ci/run``, ``python -m common.version_window --lower-bounds``). A requirement with a lower
 bound only (``pyyaml>=6.0``) is a floor the package needs, not a tested range.
 
-The requirements come from the installed distribution's metadata (what ``pip install`` recorded from
-``pyproject.toml``), or, in a source checkout that is not installed, from ``pyproject.toml`` itself: the same text
-either way, never a second copy. ``zero-recipes doctor`` warns for an installed version outside the window.
+The requirements come from ``pyproject.toml`` when it lies beside the imported package (a source checkout, installed
+editable or not), else from the installed distribution's metadata (what ``pip install`` recorded from that same
+file): one text either way, never a second copy. ``zero-recipes doctor`` warns for an installed version outside the
+window.
 
     python -m common.version_window --lower-bounds     # "name==lower" per window package: a pip constraints file
     python -m common.version_window --check            # exit 1 naming each installed version outside the window
@@ -52,10 +53,10 @@ def _pyproject_dependencies(path: Path) -> list[str]:
 
 
 def declared_requirements(pyproject: Path = PYPROJECT) -> list[Requirement]:
-    """The package's runtime requirements (no extras): its metadata when installed, else ``pyproject.toml``.
+    """The package's runtime requirements (no extras): ``pyproject.toml`` beside the package, else its metadata.
 
-    An editable install records the metadata at install time; a checkout edited since then is read from its
-    ``pyproject.toml`` when that file lies beside the imported package (the source of both).
+    The file comes first because an editable install records the metadata once, at install time: a checkout edited
+    since then says what its own tests are run with.
     """
     texts: list[str] = []
     if pyproject.is_file():
