@@ -259,7 +259,7 @@ def window_checks(outside: list[OutsideWindow]) -> list[Check]:
                 "ok",
                 "every package of the tested window is inside it",
                 "none",
-                "the package's requirements (pyproject.toml)",
+                "pyproject.toml: the requirements with two bounds",
             )
         ]
     return [
@@ -270,7 +270,7 @@ def window_checks(outside: list[OutsideWindow]) -> list[Check]:
             + (f" is outside the versions this project is tested with ({item.specifier})" if item.version else ""),
             f"pip install '{item.package}{item.specifier}' (CI runs the suite at the newest versions inside the "
             "window and a compatibility subset at its lower bounds)",
-            "the package's requirements (pyproject.toml)",
+            "pyproject.toml: the requirements with two bounds",
         )
         for item in outside
     ]
