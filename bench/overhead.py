@@ -367,10 +367,21 @@ def effect_words(ratios_: list[float]) -> str:
     return f"no effect beyond the noise: {figures}, on both sides of 1"
 
 
+def build_words(torch_build: str, cuda: str | None) -> str:
+    """``2.14.1+cu130`` and CUDA ``13.0`` -> what kind of torch build ran, in words ("" when the results do not say)."""
+    if cuda:
+        return (
+            f' (a CUDA {cuda} build, run on this CPU: the build the README\'s unpinned `pip install -e ".[dev]"` '
+            "installs where pip finds no other)"
+        )
+    return " (a CPU build)" if torch_build.endswith("+cpu") else ""
+
+
 def render_allocator_build(allocator: dict, torch_version: str) -> str:
     """The allocator comparison under one torch build: page faults, CPU time, and whether keeping still helps."""
     runs, preset = allocator["runs"], allocator["preset"]
-    build = "a CUDA build, run on this CPU" if "+cu" in torch_version else "a CPU build"
+    torch_version = allocator.get("torch_build", torch_version)
+    build = build_words(torch_version, allocator.get("torch_cuda"))
     lines = table_head(
         "host memory",
         "raw: page faults / step",
@@ -390,8 +401,7 @@ def render_allocator_build(allocator: dict, torch_version: str) -> str:
     verdicts = "; ".join(f"{b}: {effect_words(kept_over_defaults(runs, b))}" for b in ALLOCATOR_BACKENDS)
     return "\n".join(
         [
-            f"The allocator comparison above, rerun under torch {torch_version} ({build}; the build the README's "
-            'unpinned `pip install -e ".[dev]"` installs where pip finds no other). How much memory glibc gives '
+            f"The allocator comparison above, rerun under torch {torch_version}{build}. How much memory glibc gives "
             "back under its defaults depends on what the process allocated before, so on the build "
             f"(`common/host_memory.py`). Keeping the freed memory, {preset}, kept / glibc's defaults per "
             f"repetition: {verdicts}.",
@@ -537,7 +547,14 @@ def main() -> None:
                 parser.error(f"{option} applies to the overhead table, not to --allocator-only")
         if args.allocator_reps < 1 or args.steps <= WARMUP:
             parser.error(f"--allocator-only needs --allocator-reps >= 1 and --steps > {WARMUP} (the warm-up steps)")
-        allocator = {"preset": ALLOCATOR_PRESET, "runs": measure_allocator(args.allocator_reps, args.steps)}
+        import torch  # the build the groups ran with (the same interpreter): its local label and CUDA version
+
+        allocator = {
+            "preset": ALLOCATOR_PRESET,
+            "torch_build": torch.__version__,
+            "torch_cuda": torch.version.cuda,
+            "runs": measure_allocator(args.allocator_reps, args.steps),
+        }
         document = write_results(
             ALLOCATOR_RESULTS, {"steps": args.steps, "warmup": WARMUP, "allocator_only": allocator}
         )

@@ -49,7 +49,10 @@ def test_the_section_names_the_build_and_both_backends(overhead):
         "glibc defaults": {"raw": [figures], "lightning": [figures]},
         "freed memory kept": {"raw": [kept], "lightning": [kept]},
     }
-    body = overhead.render_allocator_build({"preset": "deepspeed_stage_2", "runs": runs}, "2.14.1+cu130")
-    assert "torch 2.14.1+cu130 (a CUDA build" in body
+    measured = {"preset": "deepspeed_stage_2", "runs": runs}
+    body = overhead.render_allocator_build({**measured, "torch_build": "2.14.1+cu130", "torch_cuda": "13.0"}, "2.14.1")
+    assert "torch 2.14.1+cu130 (a CUDA 13.0 build, run on this CPU" in body
+    assert "torch 2.13.0+cpu (a CPU build)." in overhead.render_allocator_build(measured, "2.13.0+cpu")
+    assert "torch 2.14.1. How much" in overhead.render_allocator_build(measured, "2.14.1")  # no build recorded
     assert "raw: helps: CPU time per step x0.950" in body and "lightning: helps" in body
     assert "| glibc defaults | 1,000 | 1,000 | 100 | 100 |" in body
