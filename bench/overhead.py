@@ -1,7 +1,8 @@
 """Framework overhead: the NLP tiny model's training step through Lightning and Accelerate vs raw DeepSpeed.
 
     python bench/overhead.py --reps 5 --steps 20 --profile     # stages 2 and 3, allocator, profile (~15 min)
-    python bench/overhead.py --render                          # docs/benchmarks.md from the results file only
+    python bench/overhead.py --allocator-only --allocator-reps 3   # the allocator comparison alone (~8 min)
+    python bench/overhead.py --render                          # docs/benchmarks.md from the results files only
 
 Same model (Llama tiny, 5.3M params), same resolved DeepSpeed config, same data, 2 CPU processes
 (bench/_step_worker.py). Repetitions are interleaved: each repetition runs every preset under raw, Lightning
@@ -25,9 +26,15 @@ thresholds, which is where Lightning's stage-2 overhead went before. ``--profile
 per backend (the last preset; rank 0, timed by the thread's CPU time) and tabulates where a step's time goes, by
 package.
 
-bench/results/overhead.json is written by this script alone (bench/_bench_util.write_results, with
-provenance); the "overhead" and "overhead-profile" sections of docs/benchmarks.md are rendered from it by
-``render_sections`` (``--render`` re-renders them without measuring).
+How much the allocator setting saves depends on the torch build (common/host_memory.py): ``--allocator-only``
+measures that comparison alone into bench/results/overhead_allocator.json, rendered as the "overhead-allocator"
+section beside the overhead table; run it under the build to compare (the README's unpinned install gives the
+default CUDA build of torch, the table above it was measured with the CPU build).
+
+bench/results/overhead.json and overhead_allocator.json are written by this script alone
+(bench/_bench_util.write_results, with provenance); the "overhead", "overhead-profile" and "overhead-allocator"
+sections of docs/benchmarks.md are rendered from them by ``render_sections`` (``--render`` re-renders them without
+measuring).
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ MEASURES = {"cpu_ms": "CPU time", "wall_ms": "wall time"}  # the first is the ve
 WARMUP = 4
 GOAL = 1.05
 RESULTS = HERE / "results" / "overhead.json"
+ALLOCATOR_RESULTS = HERE / "results" / "overhead_allocator.json"  # --allocator-only: the comparison under one build
 # Where the stage-2 Lightning overhead went (page faults): one preset, raw DeepSpeed and Lightning, each with glibc's
 # default thresholds and with the host memory kept (common/host_memory.py), interleaved.
 ALLOCATOR_PRESET = "deepspeed_stage_2"
@@ -342,6 +350,70 @@ def render_allocator(allocator: dict) -> str:
     )
 
 
+def kept_over_defaults(runs: dict[str, dict[str, list[dict]]], backend: str) -> list[float]:
+    """CPU time per step with freed memory kept / with glibc's defaults, per repetition (the same repetition's)."""
+    kept, default = (runs[setting][backend] for setting in ("freed memory kept", "glibc defaults"))
+    return [k["cpu_ms"] / d["cpu_ms"] for k, d in zip(kept, default)]
+
+
+def effect_words(ratios_: list[float]) -> str:
+    """What a backend's kept / defaults CPU-time ratios say, in words, with median and min-max."""
+    low, high = spread(ratios_)
+    figures = f"x{median(ratios_):.3f} ({low:.3f}-{high:.3f})"
+    if high < 1:
+        return f"helps: CPU time per step {figures}, lower in every repetition"
+    if low > 1:
+        return f"costs CPU time: {figures}, higher in every repetition"
+    return f"no effect beyond the noise: {figures}, on both sides of 1"
+
+
+def build_words(torch_build: str, cuda: str | None) -> str:
+    """``2.14.1+cu130`` and CUDA ``13.0`` -> what kind of torch build ran, in words ("" when the results do not say)."""
+    if cuda:
+        return (
+            f' (a CUDA {cuda} build, run on this CPU: the build the README\'s unpinned `pip install -e ".[dev]"` '
+            "installs where pip finds no other)"
+        )
+    return " (a CPU build)" if torch_build.endswith("+cpu") else ""
+
+
+def render_allocator_build(allocator: dict, torch_version: str) -> str:
+    """The allocator comparison under one torch build: page faults, CPU time, and whether keeping still helps."""
+    runs, preset = allocator["runs"], allocator["preset"]
+    torch_version = allocator.get("torch_build", torch_version)
+    build = build_words(torch_version, allocator.get("torch_cuda"))
+    lines = table_head(
+        "host memory",
+        "raw: page faults / step",
+        "lightning: page faults / step",
+        "raw: CPU ms / step",
+        "lightning: CPU ms / step",
+        "lightning / raw, CPU time: median (min-max)",
+    )
+    for setting, by_backend in runs.items():
+        faults = {b: median([r["page_faults"] for r in by_backend[b]]) for b in ALLOCATOR_BACKENDS}
+        cpu = {b: median([r["cpu_ms"] for r in by_backend[b]]) for b in ALLOCATOR_BACKENDS}
+        lines.append(
+            f"| {setting} | {faults['raw']:,.0f} | {faults['lightning']:,.0f} | {cpu['raw']:.0f} | "
+            f"{cpu['lightning']:.0f} | {ratio_cell(summarize(by_backend, 'lightning')['cpu_ms'])} |"
+        )
+    reps = len(next(iter(runs.values()))["raw"])
+    verdicts = "; ".join(f"{b}: {effect_words(kept_over_defaults(runs, b))}" for b in ALLOCATOR_BACKENDS)
+    return "\n".join(
+        [
+            f"The allocator comparison above, rerun under torch {torch_version}{build}. How much memory glibc gives "
+            "back under its defaults depends on what the process allocated before, so on the build "
+            f"(`common/host_memory.py`). Keeping the freed memory, {preset}, kept / glibc's defaults per "
+            f"repetition: {verdicts}.",
+            "",
+            *lines,
+            "",
+            f"{reps} interleaved repetitions (order rotated), each a fresh 2-process group "
+            "(`ZR_KEEP_FREED_MEMORY=off` for glibc's defaults), page faults and CPU time summed over both ranks.",
+        ]
+    )
+
+
 def ratio_cell(summary: dict[str, float]) -> str:
     return f"**{summary['median']:.3f}** ({summary['min']:.3f}-{summary['max']:.3f})"
 
@@ -384,6 +456,9 @@ def render_sections(document: dict) -> dict[str, str]:
     the "Command:" line above each body comes from the provenance (bench/_bench_util.publish_sections).
     """
     results = document["results"]
+    if "allocator_only" in results:  # overhead_allocator.json
+        torch_version = document["provenance"]["versions"]["torch"]
+        return {"overhead-allocator": render_allocator_build(results["allocator_only"], torch_version)}
     sections = {"overhead": render_overhead(results)}
     if results.get("allocator"):
         sections["overhead"] += "\n\n" + render_allocator(results["allocator"])
@@ -437,8 +512,8 @@ def parse_presets(parser: argparse.ArgumentParser, text: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", default="deepspeed_stage_2,deepspeed_stage_3")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--presets", default=None, help="default: deepspeed_stage_2,deepspeed_stage_3")
+    parser.add_argument("--reps", type=int, default=None, help="default: 5")
     parser.add_argument("--steps", type=int, default=20, help=f"optimizer steps per run, the first {WARMUP} warm-up")
     parser.add_argument("--profile", action="store_true", help="after measuring, profile the last preset per backend")
     parser.add_argument("--profile-steps", type=int, default=12)
@@ -449,16 +524,45 @@ def main() -> None:
         help=f"repetitions of {ALLOCATOR_PRESET} (raw, Lightning) with glibc's default thresholds and with freed "
         "host memory kept (0: skip)",
     )
-    parser.add_argument("--render", action="store_true", help="re-render docs/benchmarks.md from the results file only")
+    parser.add_argument(
+        "--allocator-only",
+        action="store_true",
+        help=f"measure only the allocator comparison (--allocator-reps, --steps) into {ALLOCATOR_RESULTS.name}",
+    )
+    parser.add_argument(
+        "--render", action="store_true", help="re-render docs/benchmarks.md from the results files only"
+    )
     args = parser.parse_args()
     if args.render:
-        try:
-            document = load_document(RESULTS)
-        except (OSError, ValueError) as err:
-            parser.error(f"cannot render: {err}")
-        write_docs(document)
+        for path in (RESULTS, ALLOCATOR_RESULTS):
+            try:
+                document = load_document(path)
+            except (OSError, ValueError) as err:
+                parser.error(f"cannot render: {err}")
+            write_docs(document)
         return
-    presets = parse_presets(parser, args.presets)
+    if args.allocator_only:
+        for value, option in ((args.presets, "--presets"), (args.reps, "--reps"), (args.profile, "--profile")):
+            if value:
+                parser.error(f"{option} applies to the overhead table, not to --allocator-only")
+        if args.allocator_reps < 1 or args.steps <= WARMUP:
+            parser.error(f"--allocator-only needs --allocator-reps >= 1 and --steps > {WARMUP} (the warm-up steps)")
+        import torch  # the build the groups ran with (the same interpreter): its local label and CUDA version
+
+        allocator = {
+            "preset": ALLOCATOR_PRESET,
+            "torch_build": torch.__version__,
+            "torch_cuda": torch.version.cuda,
+            "runs": measure_allocator(args.allocator_reps, args.steps),
+        }
+        document = write_results(
+            ALLOCATOR_RESULTS, {"steps": args.steps, "warmup": WARMUP, "allocator_only": allocator}
+        )
+        write_docs(document)
+        print(render_sections(document)["overhead-allocator"])
+        return
+    presets = parse_presets(parser, args.presets or "deepspeed_stage_2,deepspeed_stage_3")
+    args.reps = 5 if args.reps is None else args.reps
     if args.reps < 1 or args.allocator_reps < 0 or args.steps <= WARMUP or args.profile_steps <= WARMUP:
         parser.error(
             f"need --reps >= 1, --allocator-reps >= 0, and --steps and --profile-steps > {WARMUP} (the warm-up steps)"

@@ -9,6 +9,11 @@ How much depends on the order of frees, so it differs between loops that do the 
 defaults Lightning's stage-2 loop faulted about twice as often as raw DeepSpeed's, which made its step dearer in CPU
 time (bench/overhead.py measures both settings side by side: docs/benchmarks.md, "overhead").
 
+How much glibc gives back under its defaults also depends on the torch build: where a step's blocks come from and
+what else lives at the top of the heap are decided by everything the process allocated before. A test loop of 1 MiB
+tensors faulted nearly every page of its second step under the CPU build of torch 2.13 and about 6 % under the
+default (CUDA) build of torch 2.14.1; docs/benchmarks.md has the training-step figures for both builds.
+
 :func:`keep_freed_memory` fixes both thresholds (which also stops glibc moving them): memory freed at the top of the
 heap is kept up to 2 GiB, and only blocks of 32 MiB and more (glibc's largest dynamic threshold) get an ``mmap`` of
 their own, so the steps reuse the heap pages of the step before and few faults are left. Peak resident memory is

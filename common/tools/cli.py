@@ -23,6 +23,7 @@ from common.presets import PRESETS
 from common.rundir import refuse_file_as_out_dir
 from common.strategy import PRECISIONS, RunFacts, resolve_deepspeed_config, write_accelerate_files
 from common.tools import copy_recipe, doctor, export, lint, memory, probe
+from common.tools.options import positive_int
 from common.tools.recipes import shipped_recipes
 
 
@@ -32,16 +33,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"error: {message} (see: {self.prog} --help)", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -71,6 +62,12 @@ def cmd_config(args: argparse.Namespace) -> int:
         nvme_path=args.nvme_path,
     )
     ds_config = resolve_deepspeed_config(args.preset, facts, parse_overrides(args.set))
+    if args.nvme_path and not nvme_offloaded(ds_config):
+        raise ConfigError(
+            f"--nvme-path applies to NVMe offload (the *_offload_nvme presets, or --set "
+            f"zero_optimization.offload_optimizer.device=nvme), not to preset {args.preset}, which offloads nothing "
+            "to NVMe"
+        )
     if args.format == "deepspeed" and not args.out:
         print(json.dumps(ds_config, indent=2))
         return 0
@@ -88,6 +85,12 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def nvme_offloaded(ds_config: dict) -> bool:
+    """Whether a resolved DeepSpeed config offloads the optimizer states or the parameters to NVMe."""
+    zero = ds_config.get("zero_optimization") or {}
+    return any((zero.get(section) or {}).get("device") == "nvme" for section in ("offload_optimizer", "offload_param"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``zero-recipes`` argument parser with all subcommands."""
     parser = _Parser(prog="zero-recipes", description="DeepSpeed ZeRO recipes on Lightning and Accelerate.")
@@ -98,11 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="print a preset's resolved DeepSpeed config")
     config.add_argument("preset", help="preset name (zero-recipes ls)")
-    config.add_argument("--world-size", type=_positive_int, default=1, help="data-parallel ranks in total")
-    config.add_argument("--micro-batch-size", type=_positive_int, default=1, help="samples per rank per step")
-    config.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
+    config.add_argument("--world-size", type=positive_int, default=1, help="data-parallel ranks in total")
+    config.add_argument("--micro-batch-size", type=positive_int, default=1, help="samples per rank per step")
+    config.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     config.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the preset's (bf16)")
-    config.add_argument("--hidden-size", type=_positive_int, default=None, help="model hidden size (scales buckets)")
+    config.add_argument("--hidden-size", type=positive_int, default=None, help="model hidden size (scales buckets)")
     config.add_argument("--gradient-clipping", type=float, default=1.0, help="max grad norm, 0 = off")
     config.add_argument("--nvme-path", default=None, help="NVMe folder for the *_offload_nvme presets")
     config.add_argument(

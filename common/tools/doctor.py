@@ -41,6 +41,8 @@ from common.errors import ConfigError, exit_on_user_error
 from common.hang import HANG_FOLDER, analyze, format_diagnosis, rank_line, read_reports
 from common.lint import RULES, LintView
 from common.memory_formulas import parse_bytes
+from common.tools.options import positive_int, refuse_outside_mode
+from common.version_window import OutsideWindow, installed_outside_window
 
 PACKAGES = ("torch", "deepspeed", "lightning", "accelerate", "transformers", "peft")
 SEVERITIES = ("error", "warning", "info", "ok")
@@ -245,6 +247,33 @@ def version_checks(
             )
         )
     return checks
+
+
+def window_checks(outside: list[OutsideWindow]) -> list[Check]:
+    """A warning per package outside the window this project is tested with (:mod:`common.version_window`), or one
+    ``ok`` line when every package is inside it."""
+    if not outside:
+        return [
+            Check(
+                "tested-window",
+                "ok",
+                "every package of the tested window is inside it",
+                "none",
+                "pyproject.toml: the requirements with two bounds",
+            )
+        ]
+    return [
+        Check(
+            "tested-window",
+            "warning",
+            f"{item.package} {item.version or 'is not installed'}"
+            + (f" is outside the versions this project is tested with ({item.specifier})" if item.version else ""),
+            f"pip install '{item.package}{item.specifier}' (CI runs the suite at the newest versions inside the "
+            "window and a compatibility subset at its lower bounds)",
+            "pyproject.toml: the requirements with two bounds",
+        )
+        for item in outside
+    ]
 
 
 # --- hardware (never fails: "not found" where a fact is not available) -----------------------------------
@@ -671,6 +700,7 @@ def local_report(checkpoint_path: Path) -> dict[str, Any]:
     versions = installed_versions()
     hardware = hardware_facts(checkpoint_path)
     checks = version_checks(versions, lightning_deepspeed_pin(), deepspeed_clipping_default(), TESTED_LIGHTNING)
+    checks += window_checks(installed_outside_window())
     checks += hardware_checks(hardware)
     return {"versions": versions, "hardware": hardware, "env": env_settings(), "checks": [asdict(c) for c in checks]}
 
@@ -686,13 +716,22 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+# Options that one mode reads and the others do not (common/tools/options.py refuses them there).
+COLLECTIVES_OPTIONS = {"sizes": "--sizes", "iters": "--iters"}
+REPORT_OPTIONS = {"out": "--out", "checkpoint_path": "--checkpoint-path"}  # the modes that write doctor.json
+DEFAULT_SIZES, DEFAULT_ITERS = "64KiB,1MiB,16MiB", 10
+
+
 def cmd_doctor(args: Any) -> int:
     if args.hang:
+        refuse_outside_mode(args, COLLECTIVES_OPTIONS, "doctor --collectives", "doctor --hang")
+        refuse_outside_mode(args, REPORT_OPTIONS, "doctor and doctor --collectives (the report)", "doctor --hang")
         return cmd_hang(Path(args.hang))
     if args.collectives:
         return cmd_collectives(args)
-    out = Path(args.out)
-    report = local_report(Path(args.checkpoint_path))
+    refuse_outside_mode(args, COLLECTIVES_OPTIONS, "doctor --collectives", "doctor without --collectives")
+    out = Path(args.out or ".")
+    report = local_report(Path(args.checkpoint_path or "."))
     print(render_report(report))
     out.mkdir(parents=True, exist_ok=True)
     (out / "doctor.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -706,16 +745,16 @@ def cmd_collectives(args: Any) -> int:
             "doctor --collectives measures across ranks: launch it like a recipe, e.g. "
             "torchrun --nproc_per_node 2 -m common.tools.doctor --collectives"
         )
-    sizes = parse_sizes(args.sizes)
+    sizes = parse_sizes(args.sizes or DEFAULT_SIZES)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        measured = measure_collectives(sizes, args.iters)
+        measured = measure_collectives(sizes, args.iters or DEFAULT_ITERS)
         if dist.get_rank() != 0:
             return 0
-        report = local_report(Path(args.checkpoint_path))
+        report = local_report(Path(args.checkpoint_path or "."))
         report["measured"] = measured
         report["checks"] += [asdict(c) for c in collective_checks(measured)]
-        out = Path(args.out)
+        out = Path(args.out or ".")
         out.mkdir(parents=True, exist_ok=True)
         picture = plot_rank_speeds(measured, out / "doctor_ranks.png")
         print(render_report(report))
@@ -752,10 +791,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--collectives", action="store_true", help="measure across the launched ranks")
     mode.add_argument("--hang", metavar="RUN_DIR", default=None, help="diagnose a run that hung (its hang/ reports)")
-    p.add_argument("--out", default=".", help="folder for doctor.json (and doctor_ranks.png)")
-    p.add_argument("--checkpoint-path", default=".", help="where checkpoints will go (free disk is checked there)")
-    p.add_argument("--sizes", default="64KiB,1MiB,16MiB", help="message sizes for --collectives")
-    p.add_argument("--iters", type=int, default=10, help="timed calls per collective and size")
+    # Defaults are None so that an option given in a mode that does not read it is refused (cmd_doctor).
+    p.add_argument("--out", default=None, help="folder for doctor.json (and doctor_ranks.png); default: .")
+    p.add_argument(
+        "--checkpoint-path", default=None, help="where checkpoints will go (free disk is checked there); default: ."
+    )
+    p.add_argument("--sizes", default=None, help=f"--collectives: message sizes (default {DEFAULT_SIZES})")
+    p.add_argument(
+        "--iters",
+        type=positive_int,
+        default=None,
+        help=f"--collectives: timed calls per collective and size (default {DEFAULT_ITERS})",
+    )
     p.set_defaults(func=cmd_doctor)
 
 

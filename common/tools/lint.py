@@ -195,6 +195,8 @@ def lint_file(
         num_params = num_params or model.num_params
     findings: list[Finding] = []
     if path.suffix == ".json":
+        if recipe:
+            raise ConfigError(f"--recipe applies to a recipe YAML, not to a DeepSpeed JSON ({path})")
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
@@ -212,6 +214,12 @@ def lint_file(
     else:
         data = read_yaml(path)
         if "distributed_type" in data or "compute_environment" in data:
+            for value, option in ((recipe, "--recipe"), (backend, "--backend")):
+                if value:
+                    raise ConfigError(
+                        f"{option} applies to a recipe YAML or a DeepSpeed JSON, not to an accelerate YAML ({path}), "
+                        "which Accelerate consumes with the DeepSpeed JSON it names"
+                    )
             view, findings = _accelerate_view(path, data)
         else:
             view, findings = _recipe_view(path, data, recipe, hidden_size, num_params, model)

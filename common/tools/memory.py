@@ -98,6 +98,7 @@ from common.parallel import (
 )
 from common.presets import FROM_MODEL, get_preset
 from common.strategy import bucket_elements, persistence_threshold
+from common.tools.options import refuse_outside_mode
 from common.tools.recipes import describe
 
 # (stage, offload) rows of the table, and the generic preset each row stands for.
@@ -848,6 +849,10 @@ def cmd_estimate(args: Any) -> int:
         check_preset(args.activation_checkpointing)
     if args.config and not args.recipe:
         raise ConfigError("--config goes with --recipe (a recipe's YAML); for a Hugging Face config use --model-config")
+    if args.offload == "none":  # the rows without offload read neither
+        refuse_outside_mode(
+            args, {"host_memory": "--host-memory", "bandwidth": "--bandwidth"}, "the offload rows", "--offload none"
+        )
     recipe_defaults: dict[str, Any] = {}
     if args.params:
         facts = assumed_transformer(parse_count(args.params))

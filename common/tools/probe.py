@@ -48,6 +48,7 @@ from common.parallel import check_sequence_parallel
 from common.presets import PRESET_NAMES, get_preset
 from common.strategy import write_accelerate_files
 from common.tools.comms_log import comms_log_env
+from common.tools.options import refuse_outside_mode
 from common.tools.probe_report import (
     ProbeResult,
     ProbeRow,
@@ -587,6 +588,8 @@ def cmd_probe(args: Any) -> int:
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     candidates = parse_candidates(args.candidates, args.activation_checkpointing)
+    if all(preset_offload(c.preset)[1] == "none" for c in candidates):  # only offload rows get the planner's time
+        refuse_outside_mode(args, {"bandwidth": "--bandwidth"}, "offload candidates", "candidates without offload")
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated probe stops its candidate's ranks too
     result = run_probe(
         args.recipe,

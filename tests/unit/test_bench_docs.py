@@ -32,6 +32,7 @@ RESULTS_BENCH = {
     "gpu.json": "gpu.py",
     "export_memory.json": "export_memory.py",
     "overhead.json": "overhead.py",
+    "overhead_allocator.json": "overhead.py",
     "memory.json": "memory.py",
     "activations.json": "activations.py",
     "hang_overhead.json": "hang_overhead.py",

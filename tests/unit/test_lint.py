@@ -82,6 +82,7 @@ FAILING_FILES = {
     "torch-zero-memory-leak": ("json", ds(2), {"versions": {"torch": "1.11.0", "deepspeed": "0.19.8"}}),
     "deepspeed-0.6-zero3-sync": ("json", ds(3), {"versions": {"torch": "2.0.1", "deepspeed": "0.6.5"}}),
     "nccl-version": ("json", ds(2), {"versions": {**CURRENT, "nccl": "2.8.4"}}),
+    "deepspeed-removed-keys": ("json", {**ds(3), "amp": {"enabled": True}}, {"versions": CURRENT}),
     "nvme-offload-stage-1-2": ("json", ds(2, offload_optimizer={"device": "nvme", "nvme_path": "/nvme"}), {}),
     "aio-keys": ("json", {**ds(3), "aio": {"block_size": 2**20, "thread_count": 2}}, {}),
     # 131072 fp32 elements = 512 KiB per sub-group: under the 1 MiB DeepSpeed swaps.
