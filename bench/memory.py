@@ -58,7 +58,7 @@ def planner_answer(model_config: dict, stage: int, world_size: int) -> dict:
     inputs = PlanInputs(gpus_per_node=world_size, seq_len=SEQ, micro_batch_size=MICRO_BATCH, precision="bf16")
     row = next(r for r in plan(facts, inputs).rows if (r.stage, r.offload) == (stage, "none"))
     return {
-        "states_with_grads": row.model_states_bytes,  # the "guide states" column
+        "states_with_grads": row.model_states_bytes,  # the model-states column (gradients alive)
         "states_after_step": row.model_states_after_step_bytes,  # the same function, gradients released
         "buffers": row.buffers_bytes,  # the "buffers" column
         "persistent_params": row.persistent_params,
@@ -105,7 +105,7 @@ def states_table(cells: list[dict]) -> str:
         "measured after step MiB (params / grads / optimizer)",
         "error",
         "persistent params (planner)",
-        "planner's guide states MiB (gradients alive)",
+        "planner's model states MiB (gradients alive)",
     )
     for c in cells:
         after, plan_ = c["after_step"], c["planner"]
@@ -120,15 +120,15 @@ def states_table(cells: list[dict]) -> str:
 
 
 def beyond_states(c: dict) -> float:
-    """Bytes resident at the backward peak beyond the guide's model states with gradients alive.
+    """Bytes resident at the backward peak beyond the formulas' model states with gradients alive.
 
-    Parameters and optimizer states as measured, and one gradient of the guide's size (2K below stage 2,
+    Parameters and optimizer states as measured, and one gradient of the formulas' size (2K below stage 2,
     2K/N from stage 2) wherever DeepSpeed keeps it (``param.grad``, a bucket or a flat partition): everything
     else, ZeRO's buckets and flat groups and stage 3's gathered parameters, is what the buffer column covers.
     """
     peak, planner = c["backward_peak"], c["planner"]
-    guide_gradients = planner["states_with_grads"] - planner["states_after_step"]
-    return peak["resident"] - peak["params"] - peak["optimizer"] - guide_gradients
+    formula_gradients = planner["states_with_grads"] - planner["states_after_step"]
+    return peak["resident"] - peak["params"] - peak["optimizer"] - formula_gradients
 
 
 def buffer_ratio(c: dict) -> float | None:
@@ -144,7 +144,7 @@ def buffers_table(cells: list[dict]) -> str:
         "ranks",
         "resident at the backward peak MiB",
         "params / grads / optimizer / ZeRO's tensors / gathered params MiB",
-        "beyond the guide's states MiB",
+        "beyond the model states MiB",
         "planner's buffers MiB",
         "planner / beyond",
     )
@@ -202,14 +202,14 @@ column) for the model's own config (common.tools.memory.plan, the row of the sta
 persistence threshold (10 x hidden, DeepSpeed's rule `numel <= threshold`: the RMSNorm weights): DeepSpeed keeps each
 whole on every rank *as well as* its partition, so they cost 2 B x K_p on top of 16K/N, which the planner
 now adds (the `persistent params` column: DeepSpeed's count, then the planner's). The planner's printed
-"guide states" column counts gradients alive (2K below stage 2, 2K/N from stage 2), the peak of the
+model-states column counts gradients alive (2K below stage 2, 2K/N from stage 2), the peak of the
 backward pass."""
 
 BUFFERS_TEXT = """At the peak of the backward pass of the second step (Adam's moments exist from the first; a
 snapshot after every parameter's gradient, the worst rank), everything the rank holds: parameters, gradients
 in `param.grad`, optimizer states, the ZeRO optimizer's own tensors (flat groups, buckets, gradient
-partitions) and, under stage 3, the parameters gathered at that moment. "Beyond the guide's states" takes
-away the parameters, the optimizer states and one gradient of the guide's size (2K below stage 2, 2K/N from
+partitions) and, under stage 3, the parameters gathered at that moment. "Beyond the model states" takes
+away the parameters, the optimizer states and one gradient of the formulas' size (2K below stage 2, 2K/N from
 stage 2) wherever DeepSpeed keeps it: the rest is what the buffer column stands for. The planner's buffer column is what
 DeepSpeed documents for its buckets for stages 0-2 (4.5 x (reduce + all-gather bucket) with `overlap_comm`):
 the most the buckets may take, not what a model smaller than a bucket fills, so `estimate` prints it as an

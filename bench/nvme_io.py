@@ -312,7 +312,8 @@ def render_nvme_io(results: dict) -> str:
             *node_lines,
             "",
             f"Use it: `zero-recipes estimate --params 7e9 --gpus 8 --bandwidth nvme={best['read_gbps']:.2f}` (this "
-            f"disk's read figure in place of guide 1's 2-4 GB/s; `--params` or `--recipe` as for any plan), and `aio` "
+            "disk's read figure in place of the planner's default NVMe range, 2-4 GB/s; `--params` or `--recipe` as "
+            "for any plan), and `aio` "
             f"`block_size: {best['block_size']}`, `queue_depth: {best['queue_depth']}` in the preset `{PRESET}` "
             f"(common/presets.py ships {preset['block_size']} and {preset['queue_depth']}). A larger `block_size` "
             "also raises the smallest partition DeepSpeed swaps (max(1 MiB, block_size)): smaller ones stay in host "

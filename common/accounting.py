@@ -1,6 +1,6 @@
 """Count the bytes one rank really holds for parameters, gradients, optimizer states and ZeRO buffers.
 
-The memory formulas of guide 1 (2.2) say what each stage *should* hold; this module reads what the
+The ZeRO paper's memory formulas say what each stage *should* hold; this module reads what the
 DeepSpeed engine *does* hold, so a test can compare the two. Every tensor storage is counted once
 (views of a flat buffer share its storage), and each storage goes to one category:
 
@@ -12,7 +12,7 @@ DeepSpeed engine *does* hold, so a test can compare the two. Every tensor storag
 - ``grads``: gradient tensors that are alive (after ``step()`` ZeRO frees most of them);
 - ``buffers``: every other tensor the ZeRO optimizer keeps (flat 16-bit groups, reduce buckets, ...).
 
-:func:`common.memory_formulas.predicted_model_state_bytes` gives the guide's formula for the same quantities, per
+:func:`common.memory_formulas.predicted_model_state_bytes` gives that formula for the same quantities, per
 precision (imported here as well).
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-# The guide's formula lives with the other memory formulas (torch-free, for the planner); it is named here too
+# The ZeRO formula lives with the other memory formulas (torch-free, for the planner); it is named here too
 # because what this module counts is compared with it.
 from common.memory_formulas import predicted_model_state_bytes  # noqa: F401
 
@@ -91,7 +91,7 @@ def model_state_bytes(engine: Any) -> dict[str, int]:
 
     Returns:
         ``{"params", "grads", "optimizer", "buffers", "model_states", "total"}`` in bytes, where
-        ``model_states = params + grads + optimizer`` (the guide's quantity) and ``total`` adds buffers.
+        ``model_states = params + grads + optimizer`` (the formulas' quantity) and ``total`` adds buffers.
     """
     counted: dict[tuple[int, int], str] = {}
 

@@ -1,7 +1,8 @@
 """Activation-checkpointing presets, applied by block class to transformers models and plain modules.
 
 Checkpointing drops a block's intermediate activations in the forward pass and recomputes them in the
-backward pass: compute traded for memory (guide 1, 5.1: the fix when stage 3 still runs out of memory).
+backward pass: compute traded for memory (the usual fix when stage 3 still runs out of memory, since ZeRO shards
+model states, not activations).
 
 Presets:
 
@@ -12,7 +13,7 @@ Presets:
 - ``selective``: only the attention sub-module of each block, the part whose activations grow with
   the square of the sequence (Korthikanti et al. 2022, "selective activation recomputation"); cheap to
   recompute, most of the saving at long sequence lengths.
-- ``save_memory_optimized``: guide 2's pairing with ZeRO-3 instead of ``full``. Defined here as: every
+- ``save_memory_optimized``: the checkpointing to pair with ZeRO-3 instead of ``full``. Defined here as: every
   block except the last one. Under stage 3 the last block's parameters are still gathered when the
   backward pass begins, so recomputing it re-gathers and re-runs a block whose activations would be
   consumed immediately: pure waste. Dropping it saves one block's recompute and one all-gather per
@@ -44,7 +45,7 @@ AC_PRESETS: dict[str, str] = {
     "full": "Recompute every block: activations ~1 block input per block, about +33 % compute.",
     "every_k": "Recompute every k-th block: about half of full's saving for half its cost.",
     "selective": "Recompute only attention in each block (Korthikanti et al.): most saving per FLOP at long sequences.",
-    "save_memory_optimized": "Every block but the last (guide 2's pairing with ZeRO-3): skips a wasted re-gather.",
+    "save_memory_optimized": "Every block but the last (for ZeRO-3, instead of full): skips a wasted re-gather.",
 }
 
 ATTENTION_CHILD_NAMES = ("self_attn", "attention", "attn", "self_attention")

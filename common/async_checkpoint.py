@@ -1,6 +1,6 @@
 """Asynchronous checkpoints: training waits only while the state is copied to host memory, never for the disk.
 
-A synchronous DeepSpeed save stops every rank for the whole write (guide 2, 8; DeepSpeed#1997: 427 s for one save).
+A synchronous DeepSpeed save stops every rank for the whole write (DeepSpeed#1997 reports 427 s for one save).
 :class:`AsyncCheckpointer` splits it in three:
 
 * **save call** (the training loop waits): DeepSpeed's ``save_checkpoint`` runs as usual, but every file it hands to

@@ -119,7 +119,7 @@ class ParallelLayout:
 
     @property
     def trivial(self) -> bool:
-        """Every rank holds the whole model: the guide's formulas apply to model states as they are, N = world (SP
+        """Every rank holds the whole model: the ZeRO formulas apply to model states as they are, N = world (SP
         ranks hold the whole model and ZeRO shards over them too)."""
         return self.tensor == self.pipeline == self.expert == 1
 
@@ -504,9 +504,9 @@ def parallel_model_state_parts(
     persistence_threshold: int = 0,
     grads_alive: bool = True,
 ) -> tuple[dict[str, float], float]:
-    """(the guide's per-rank terms on the rank's slice, the bytes of stage 3's whole persistent copies).
+    """(the ZeRO formula's per-rank terms on the rank's slice, the bytes of stage 3's whole persistent copies).
 
-    The guide's formula with K = the rank's dense parameters (:func:`rank_params`) and N = DP x SP, plus the same
+    The ZeRO formula with K = the rank's dense parameters (:func:`rank_params`) and N = DP x SP, plus the same
     formula for its experts with N = DP / EP (DeepSpeed's expert data-parallel group). Stage-3 persistent parameters
     (norm weights: replicated over TP, split over PP) are kept whole besides their partition: their copies divided
     by PP.

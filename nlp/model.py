@@ -49,7 +49,7 @@ LLAMA_SIZES: dict[str, dict[str, Any]] = {
         "vocab_size": 32000,
         "max_position_embeddings": 2048,
     },
-    # Llama-2-7B: the model of guide 1's memory tables.
+    # Llama-2-7B: the usual example of ZeRO's memory arithmetic (16 B/param: 112 GB on one GPU).
     "7b": {
         "hidden_size": 4096,
         "num_hidden_layers": 32,

@@ -8,7 +8,7 @@ Fourier layers ``GELU(K(v) + W v)`` (no GELU after the last) -> ``Linear(width, 
 has 549,569 parameters and FNO2d (12 x 12 modes, width 32, 4 layers, projection 128) 2,368,001 (the
 paper's code printed 1,188,353 for it, counting each complex weight once).
 
-Precision policy (guide 2, 7.3: in science, precision matters):
+Precision policy (in science, precision matters):
 
 * The spectral path - the FFTs, the complex multiply by the spectral weights, the inverse FFTs -
   always runs in float32/complex64, whatever the module or autocast dtype. The input is cast to

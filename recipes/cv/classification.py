@@ -122,7 +122,7 @@ def deepspeed_config(cfg: CVConfig, world_size: int, hidden_size: int | None) ->
 
 
 def resolve_ds_config(cfg: CVConfig, world_size: int) -> dict[str, Any]:
-    """The run's DeepSpeed dict, checked against the guides' pitfalls before any work (errors refuse the run)."""
+    """The run's DeepSpeed dict, checked for known pitfalls (lint rules) before any work (errors refuse the run)."""
     hidden = getattr(read_model_config(cfg), "hidden_size", None)
     ds_config = deepspeed_config(cfg, world_size, hidden)
     lint_at_start(ds_config, config_to_dict(cfg), hidden_size=hidden, world_size=world_size)

@@ -12,7 +12,7 @@ With no arguments it trains a 210k-parameter Swin Transformer (``transformers.Sw
 built from a config, no download) on scikit-learn's 1,797 handwritten digits, upscaled to 32 px, under the
 ``cv`` preset: ZeRO-2 in bf16 with overlap_comm and contiguous gradients. Vision models spread their parameters
 evenly over many small tensors, with no giant embedding, so sharding gradients and optimizer states (stage 2)
-is enough and stage 3's per-layer all-gathers would only cost time (guide 2, 7.1); grow the batch with
+is enough and stage 3's per-layer all-gathers would only cost time; grow the batch with
 ``grad_accum`` rather than with stage 3.
 
 ``key=value`` overrides any config key (``--print-config`` lists them): ``data=my_images/`` (one subfolder per

@@ -162,7 +162,7 @@ def tokens_per_rank_step(cfg: NLPConfig, layout: ParallelLayout) -> float:
 
 @dataclass
 class MemoryPlan:
-    """What each rank should hold by the planner's formulas (guide 1, 2.2, on the rank's slice of the layout), with
+    """What each rank should hold by the planner's formulas (the ZeRO paper's, on the rank's slice of the layout), with
     stage-3 persistent parameters kept whole."""
 
     num_params: int  # the whole model's (every expert counted)

@@ -176,7 +176,7 @@ def deepspeed_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[
 
 
 def resolve_ds_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[str, Any]:
-    """The run's DeepSpeed dict, checked against the guides' pitfalls before any work (errors refuse the run)."""
+    """The run's DeepSpeed dict, checked for known pitfalls (lint rules) before any work (errors refuse the run)."""
     ds_config = deepspeed_config(cfg, world_size, hidden_size)
     lint_at_start(ds_config, config_to_dict(cfg), hidden_size=hidden_size, world_size=world_size)
     return ds_config

@@ -197,7 +197,7 @@ def deepspeed_config(cfg: ScienceConfig, world_size: int) -> dict[str, Any]:
 
 
 def resolve_ds_config(cfg: ScienceConfig, world_size: int) -> dict[str, Any]:
-    """The run's DeepSpeed dict, checked against the guides' pitfalls before any work (errors refuse the run)."""
+    """The run's DeepSpeed dict, checked for known pitfalls (lint rules) before any work (errors refuse the run)."""
     ds_config = deepspeed_config(cfg, world_size)
     lint_at_start(ds_config, config_to_dict(cfg), hidden_size=cfg.width, world_size=world_size)
     return ds_config

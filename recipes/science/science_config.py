@@ -27,7 +27,7 @@ INITIAL_FIELDS = {
     name: {key: value for key, value in field.items() if key != "viscosity"}
     for name, field in (("paper_text", PAPER_TEXT), ("public_generator", PUBLIC_GENERATOR))
 }
-# Guide 2, 7.3: precision matters in science; fp16's 5-bit exponent and 10-bit mantissa are refused.
+# Precision matters in science: fp16, whose 5-bit exponent overflows and underflows where bf16's does not, is refused.
 PRECISIONS = ("bf16", "fp32")
 # fmt: off
 POSITIVE_KEYS = ("max_steps", "num_nodes", "micro_batch_size", "grad_accum", "modes", "width", "n_layers", "proj_width",
@@ -68,7 +68,7 @@ class ScienceConfig:
     collective_timeout_s: int = 900  # a rank waiting this long in a collective fails: a dead rank stops the others
     # --- DeepSpeed ---
     preset: str = "science"  # ZeRO-2, bf16, round_robin_gradients (zero-recipes ls)
-    precision: str = "bf16"  # bf16 or fp32; fp16 is refused (guide 2, 7.3)
+    precision: str = "bf16"  # bf16 or fp32; fp16 is refused (its range is too narrow)
     ds_overrides: list[str] = field(default_factory=list)  # DeepSpeed key=value, e.g. zero_optimization.stage=1
     activation_checkpointing: str = "none"  # none|full|every_k|save_memory_optimized: compute traded for memory
     gradient_clipping: float = 0.0  # max gradient norm, 0 = off

@@ -1,7 +1,7 @@
 """FNO on Burgers' equation or Darcy flow (the FNO paper's benchmarks): BF16 + ZeRO-2, round-robin gradients, Lightning.
 
-Guide 2, 7.3: scientific models need precision - bf16 or fp32, never fp16 - with ZeRO stage 2 and
-``round_robin_gradients``. The data are made here (a spectral solver, cached), the metric is the
+Scientific models need precision - bf16 or fp32, never fp16, whose narrow range overflows and underflows - with ZeRO
+stage 2 and ``round_robin_gradients``. The data are made here (a spectral solver, cached), the metric is the
 paper's relative L2 error on held-out pairs, and the model is also tested zero-shot at 4x resolution.
 
     # CPU, 2 processes (gloo), the tiny default: under 5 minutes

@@ -1,7 +1,7 @@
 """NVMe offload (ZeRO-Infinity) for real on a CPU: 2 processes, gloo, DeepSpeed's async I/O op, both backends.
 
 - fp32 losses of stages 2 and 3 with NVMe offload equal stage 0's within 1e-5 relative (ZeRO is data
-  parallelism, guide 1, 2.1; offload moves where states live, not the math);
+  parallelism; offload moves where states live, not the math);
 - stage 3 really wrote to the disk: while it trained, each rank's swap folder under ``nvme_path`` held parameter
   files (every matrix partition: 4 MiB each here) and optimizer files (fp32 master, m, v, gradients), with the
   sizes the formulas give (common/memory_formulas.nvme_swapped_bytes_per_rank);

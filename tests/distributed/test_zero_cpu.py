@@ -3,11 +3,11 @@
 What is checked, for stages 0-3 on Lightning and on Accelerate:
 - bf16 training runs on 2 ranks (the launcher's WORLD_SIZE and the process group agree), DeepSpeed built the
   ZeRO optimizer of the stage (not DDP standing in), and the loss on one fixed batch went down;
-- equivalence (guide 1, 2.1: ZeRO is data parallelism, mathematically): fp32 losses of steps 1..5 of
+- equivalence (ZeRO is data parallelism, mathematically): fp32 losses of steps 1..5 of
   stages 1, 2, 3 equal stage 0's within 1e-5 relative; bf16 against fp32 within a measured bar (BF16_RTOL);
 - both backends run with identical batch, accumulation, clipping, precision and ZeRO fields, and the engine
   clips at the value the factory wrote, 0 included (DeepSpeed >= 0.19.3 defaults to 1.0, #8068);
-- the bytes each rank holds equal the guide's formulas (common.accounting), stage 0 included.
+- the bytes each rank holds equal the ZeRO paper's formulas (common.accounting), stage 0 included.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def test_engine_clips_at_the_factorys_value(runs, frozen_runs, backend):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_model_state_bytes_match_formula(runs, backend, stage, precision):
-    """After a step ZeRO has released gradients: params + optimizer states against the guide's formula.
+    """After a step ZeRO has released gradients: params + optimizer states against the ZeRO formula.
 
     Tolerance 0.5 %: DeepSpeed pads each rank's partition to an alignment boundary (a few elements per
     parameter group), which is all that separates the measured bytes from K x bytes-per-param here.

@@ -87,6 +87,6 @@ def test_probe_measures_the_copy(science_copy):
     assert json.loads((science_copy / row["out_dir"] / "summary.json").read_text())["num_params"] == copy_params
     assert copy_params > shipped_params
     # Measured on the copy's DeepSpeed engine: ZeRO-2 in bf16 on one rank, once the step has released the gradients,
-    # holds 2 B of bf16 weights and 12 B of fp32 master weights, m and v per parameter (guide 1's 2K + 12K/N, N = 1).
+    # holds 2 B of bf16 weights and 12 B of fp32 master weights, m and v per parameter (ZeRO's 2K + 12K/N, N = 1).
     assert row["model_state_bytes_per_rank"] == pytest.approx(14 * copy_params, rel=1e-3), row
     assert (out / "recommended.yaml").is_file()

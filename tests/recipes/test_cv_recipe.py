@@ -240,7 +240,7 @@ def check_run_directory(out_dir: Path, backend: str, max_steps: int, precision: 
     # final/ reloaded with from_pretrained gives exactly the trained model's logits (same dtype, same weights).
     assert summary["export_check"]["identical"] and summary["export_check"]["max_abs_logit_diff"] == 0.0
     assert summary["export_check"]["dtype"] == {"bf16": "bfloat16", "fp32": "float32"}[precision]
-    # Real ZeRO-2 sharding: each rank holds whole working weights + half of the optimizer state (guide 1, 2.2).
+    # Real ZeRO-2 sharding: each rank holds whole working weights + half of the optimizer state (2K + 12K/N).
     predicted = predicted_model_state_bytes(summary["num_params"], stage=2, world_size=2, precision=precision)
     assert summary["model_state_bytes_per_rank"] == pytest.approx(predicted["model_states"], rel=1e-3)
     matrix = np.array(summary["confusion_matrix"])

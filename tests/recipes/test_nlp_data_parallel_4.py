@@ -1,4 +1,4 @@
-"""Guide 2's 3-D layouts on 4 processes: TP 2 x DP 2 and PP 2 x DP 2 train like 4 data-parallel replicas.
+"""ZeRO with TP or PP on 4 processes: TP 2 x DP 2 and PP 2 x DP 2 train like 4 data-parallel replicas.
 
 One reference serves both: 4 Accelerate replicas, ZeRO 1, fp32, a micro-batch of 2 sequences each, 8 sequences per
 optimizer step. The tensor-parallel run (Accelerate, TP 2 x DP 2) reads the same 8 as a micro-batch of 4 on each of

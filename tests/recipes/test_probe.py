@@ -340,7 +340,7 @@ def test_probe_four_candidates_on_two_cpu_processes(tmp_path):
         assert r["model_state_bytes_per_rank"] > 0 and r["step_time_s"] > 0
     states = {r["zero_stage"]: r["model_state_bytes_per_rank"] for r in report["rows"] if r["offload"] == "none"}
     assert states[3] < states[2] < states[0]  # real sharding: 16K/N < 2K + 14K/N < 16K (less freed grads)
-    # The offload row's measured cost beside the planner's time column (guide 1's bandwidths by default).
+    # The offload row's measured cost beside the planner's time column (the planner's default link bandwidths).
     (timing,) = report["offload_timing"]
     steps = {r["candidate"]: r["step_time_s"] for r in report["rows"]}
     assert (timing["candidate"], timing["compared_with"]) == ("deepspeed_stage_3_offload", "deepspeed_stage_3")

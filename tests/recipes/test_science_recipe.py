@@ -267,7 +267,7 @@ def check_bf16_zero2_run(out_dir: Path, backend: str, max_steps: int) -> None:
     # DeepSpeed holds bf16 weights, yet everything that reached torch.fft was float32 / complex64.
     assert summary["param_dtype"] == "bfloat16"
     assert summary["fft_input_dtypes"] and set(summary["fft_input_dtypes"]) <= {"float32", "complex64"}
-    # Real ZeRO-2 sharding: this rank holds 2K bf16 weights + 12K/N optimizer state (N = 2), as guide 1 says.
+    # Real ZeRO-2 sharding: this rank holds 2K bf16 weights + 12K/N optimizer state (N = 2), as the ZeRO formula says.
     predicted = predicted_model_state_bytes(summary["num_params"], stage=2, world_size=2, precision="bf16")
     assert summary["model_state_bytes_per_rank"] == pytest.approx(predicted["model_states"], rel=1e-3)
 

@@ -12,10 +12,10 @@ figure that looks measured fails here:
 - a relative error with a mantissa: ``2.0e-7``, ``relative L2 0.0223`` (a tolerance is written ``1e-5``);
 - any number stated as measured: ``(measured: equal to about 1e-7)``.
 
-Figures that are not this project's measurements (a guide's own figures quoted as its advice, the planner's
+Figures that are not this project's measurements (a published figure quoted as advice, the planner's
 arithmetic, a configuration default) are let through by a marker that says why, in the doc itself::
 
-    <!-- not measured here: guide 1's ladder on 8 GPUs, quoted -->
+    <!-- not measured here: a published ladder on 8 GPUs, quoted -->
 
 on its own line (it covers the block that follows: up to the next blank line, or the whole of a fenced block)
 or at the end of a line (it covers that line).
@@ -109,7 +109,7 @@ def test_a_planted_figure_fails_and_a_rendered_section_or_a_marker_lets_it_throu
     ]
     rendered = f"<!-- probe:start -->\n## probe\n\n{planted}\n<!-- probe:end -->\n"
     assert typed_figures(rendered) == []
-    marked = f"<!-- not measured here: a guide's table, quoted -->\n{planted}\n{planted}\n\n{planted}\n"
+    marked = f"<!-- not measured here: a published table, quoted -->\n{planted}\n{planted}\n\n{planted}\n"
     assert [line for line, *_ in typed_figures(marked)] == [5] * 4  # the block under the marker only
     assert typed_figures(f"{planted} <!-- not measured here: quoted -->\n") == []
     assert len(typed_figures(f"{planted} <!-- not measured here:  -->\n")) == 4  # a marker must say why

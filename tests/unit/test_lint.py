@@ -95,7 +95,7 @@ FAILING_FILES = {
     "hpz-partition": ("json", ds(3, zero_hpz_partition_size=3), {}),
     "zenflow": ("json", ds(2, zenflow={"topk_ratio": 0.05}), {}),  # ZenFlow without ZeRO-Offload
     "bf16-optimizer-states": ("json", {**ds(2), "bf16": {"enabled": True, "bf16_optimizer_states": True}}, {}),
-    # Guide 2's hybrid example: DeepSpeed's pipeline engine runs ZeRO 0-1 only (tests/unit/test_parallel_plan.py).
+    # A hybrid ZeRO-3 + pipeline layout: DeepSpeed's pipeline engine runs ZeRO 0-1 only (test_parallel_plan.py).
     "pipeline-zero-stage": ("json", {**ds(3), "pipeline": {"stages": 4}}, {}),
     "parallel-keys-ignored": ("json", {**ds(1), "tensor": {"size": 8}}, {}),  # DeepSpeed has no "tensor" key
     "autotp-size": ("json", {**ds(1), "tensor_parallel": {"autotp_size": 4}}, {}),  # 16 / (4 x 2) = 2 ranks
@@ -242,7 +242,7 @@ def test_stage3_bucket_on_a_cpu_is_checked_against_host_ram():
     assert [f.severity for f in lint.rule_stage3_bucket_exceeds_memory(host)] == ["error"]
     guide_max = LintView(ds_config=ds(3, reduce_bucket_size=2e9), local_memory=(16e9, "no GPU: host RAM"))
     assert lint.rule_stage3_bucket_exceeds_memory(guide_max) == []  # 4 GB of 16: fits
-    # Between the guide's 2e9 and the memory: a warning, not an error.
+    # Between the usual 2e9 cap and the memory: a warning, not an error.
     above_guide = LintView(ds_config=ds(3, reduce_bucket_size=3e9), local_memory=(16e9, "no GPU: host RAM"))
     findings = lint.run_rules(above_guide)
     assert "error" not in {f.severity for f in findings if f.rule_id.startswith("stage3-bucket")}

@@ -1,4 +1,4 @@
-"""The memory planner: guide 1's table exactly, DeepSpeed's own estimators, Korthikanti's activations, buffers."""
+"""The memory planner: ZeRO's 7B table exactly, DeepSpeed's own estimators, Korthikanti's activations, buffers."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from common.tools.memory import PlanInputs
 EXE = shutil.which("zero-recipes")
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
-# Guide 1, 2.2: 7B parameters, mixed-precision Adam, 8 GPUs.
+# The ZeRO paper's formulas: 7B parameters, mixed-precision Adam, 8 GPUs.
 GUIDE_TABLE_GB = {0: 112.0, 1: 38.5, 2: 26.25, 3: 14.0}
 
 
@@ -39,7 +39,7 @@ def test_guide_table_exactly():
     for stage, gb in GUIDE_TABLE_GB.items():
         whole_copies = 2 * persistent if stage == 3 else 0
         assert rows[stage].model_states_bytes == gb * GB + whole_copies, (stage, rows[stage].model_states_bytes)
-        assert memory_formulas.fmt_gb(rows[stage].model_states_bytes) == f"{gb:.2f} GB"  # the guide's table, as printed
+        assert memory_formulas.fmt_gb(rows[stage].model_states_bytes) == f"{gb:.2f} GB"  # the 7B table, as printed
     assert rows[3].persistent_params == persistent
 
 
@@ -282,7 +282,7 @@ def test_recipe_input_reads_the_recipe_and_labels_the_device():
     ],
 )
 def test_docs_example_is_the_commands_output(doc, command):
-    """The docs show guide 1's 7B example as `estimate` prints it: the block must equal a fresh run, line for line."""
+    """The docs show the 7B example as `estimate` prints it: the block must equal a fresh run, line for line."""
     text = (DOCS / doc).read_text()
     match = re.search(rf"```\n\$ {re.escape(command)}\n(.*?)\n```", text, re.S)
     assert match, f"docs/{doc}: no example block for `{command}`"
@@ -312,13 +312,13 @@ def test_offload_time_column_on_guide_1s_7b_example_by_hand():
         row = rows[(3, offload)]
         assert row.link_seconds.keys() == links.keys()
         for link, fast in links.items():
-            slow = fast * 2  # guide 1's table: every link's low figure is half its high one
+            slow = fast * 2  # the default ranges: every link's low figure is half its high one
             assert row.link_seconds[link] == pytest.approx((fast, slow), rel=1e-12), (offload, link)
         slowest = max(links, key=links.get)
         assert row.slowest_link == slowest and row.offload_seconds == pytest.approx(row.link_seconds[slowest])
     assert rows[(3, "nvme")].offload_seconds == pytest.approx((66.5, 133.0))
     assert rows[(3, "none")].offload_seconds is None
-    # A measured disk replaces guide 1's range by one figure (bench/nvme_io.py measures it).
+    # A measured disk replaces the default range by one figure (bench/nvme_io.py measures it).
     measured = memory.plan(
         facts, PlanInputs(gpus_per_node=8, bandwidth_gbps=memory_formulas.parse_bandwidths(["nvme=1.7"]))
     )
@@ -327,7 +327,7 @@ def test_offload_time_column_on_guide_1s_7b_example_by_hand():
 
 
 def test_tools_md_claim_about_guide_1s_measured_totals():
-    """tools.md: the planner's totals (no / full checkpointing) bracket guide 1's 47 and 22 GB; both exceed 33 GB."""
+    """tools.md: the planner's totals (no / full checkpointing) bracket published 47 and 22 GB; both exceed 33 GB."""
     facts = memory_formulas.assumed_transformer(7_000_000_000)
     rows = {r.stage: r for r in memory.plan(facts, PlanInputs(gpus_per_node=8)).rows if r.offload == "none"}
     for stage, measured_gb in {1: 47, 3: 22}.items():

@@ -213,7 +213,7 @@ def test_bad_layouts_are_one_line_errors(args, message, configs):
 
 # --- the linter ---------------------------------------------------------------------------------------------------
 
-# Guide 2 (4.2), "a typical hybrid-parallel config", as written there.
+# A hybrid-parallel config as often written ("ZeRO-3 + pipeline 4 + tensor 8"), keys as given.
 GUIDE_2_HYBRID = {
     "zero_optimization": {"stage": 3},
     "pipeline": {"stages": 4},

@@ -1,4 +1,4 @@
-"""The strategy factory: golden configs per preset, the guides' settings, and one DeepSpeed dict for both backends.
+"""The strategy factory: golden configs per preset, the domain settings, and one DeepSpeed dict for both backends.
 
 The golden files in tests/golden/ are only compared here. After an intended change to a preset or to the factory,
 regenerate them with ``python tests/golden/regenerate.py`` and review ``git diff tests/golden``.
@@ -105,7 +105,7 @@ def test_domain_presets_follow_the_guides():
 
 def test_bucket_sizes_scale_with_the_model():
     assert bucket_elements(None) == 500_000_000
-    assert bucket_elements(8192) == 500_000_000  # big models: the guide's 5e8
+    assert bucket_elements(8192) == 500_000_000  # big models: DeepSpeed's default 5e8
     assert bucket_elements(256) == 32 * 256 * 256  # small models: no 1 GB stage-3 bucket
     small = resolve_deepspeed_config("deepspeed_stage_3", RunFacts(hidden_size=256))
     assert small["zero_optimization"]["reduce_bucket_size"] == 32 * 256 * 256
