@@ -218,6 +218,13 @@ def set_cpu_threads(local_processes: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_processes)))
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for ``MASTER_PORT``, ``--master_port``, ``--main_process_port``)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def refuse_file_as_out_dir(out_dir: str | Path, name: str = "out_dir") -> None:
     """Refuse an ``out_dir`` that is an existing file (or sits below one): a run directory must be a folder.
 
