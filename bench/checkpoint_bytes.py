@@ -33,7 +33,7 @@ import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 
 import torch  # noqa: E402
 
