@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from finetune_config import DEFAULT_CONFIG, FinetuneConfig
+from finetune_loss import evaluate, global_batch_tokens, loss_scale, step_token_mean, train_loss  # next to this script
 from finetuning import (
     base_model_config,
     base_module_names,
@@ -33,14 +34,11 @@ from finetuning import (
     check_sequence_parallel,
     data_parallel,
     describe,
-    evaluate,
     final_export,
-    global_batch_tokens,
     load_plain,
     load_sft_data,
     load_tokenizer,
     lora_param_groups,
-    loss_scale,
     lr_lambda,
     make_summary,
     peak_memory_over_ranks,
@@ -48,8 +46,6 @@ from finetuning import (
     resolve_ds_config,
     score,
     sft_loader,
-    step_token_mean,
-    train_loss,
     val_batches,
     write_run_files,
     write_summary,
@@ -170,7 +166,7 @@ def main() -> None:
     step, loss_sums, state_bytes = start_step, [], {}
     clock.skip()
     for batch in loader:
-        # The step's token mean (finetuning.loss_scale): the global batch's response tokens, known from the data.
+        # The step's token mean (finetune_loss.loss_scale): the global batch's response tokens, known from the data.
         scale = loss_scale(cfg, dp_size, global_batch_tokens(data, cfg, dp_size, step))
         with accelerator.accumulate(engine):
             loss, sums = train_loss(engine, batch, device, scale, sp)
