@@ -80,6 +80,7 @@ from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
 from common.metrics import Clock, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
+from common.process_setup import setup_process
 from common.rundir import (
     MetricsLog,
     is_launcher_rank_zero,
@@ -285,6 +286,7 @@ def main() -> None:
     start_step = checkpoint_step(latest) if latest else 0
 
     module = LoRAFinetune(cfg, data, ds_config, attention, module_names, base_val_accuracy, base, start_step, clock)
+    setup_process(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     trainer_kwargs = lightning_trainer_kwargs(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))
     trainer_kwargs["strategy"].exclude_frozen_parameters = True  # the frozen base is model=, not checkpoint state
     trainer = L.Trainer(

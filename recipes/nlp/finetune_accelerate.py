@@ -66,6 +66,7 @@ from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
 from common.metrics import Clock, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
+from common.process_setup import setup_process
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads
 from common.strategy import accelerator_kwargs, make_optimizer, zero_stage
 from nlp.data import DataError
@@ -119,6 +120,7 @@ def main() -> None:
         print(f"base model exact match on the held-out set: {base_val_accuracy:.3f}", flush=True)
 
     # --- DeepSpeed through Accelerate; ZeRO-3's partitioned construction is on from here ---
+    setup_process(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     accelerator_args = accelerator_kwargs(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))
     if cfg.sequence_parallel > 1:  # Ulysses: prepare() routes attention through it and gives DeepSpeed the groups
         accelerator_args["parallelism_config"] = sequence_parallel.accelerate_parallelism(
