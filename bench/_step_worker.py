@@ -35,7 +35,7 @@ import torch
 
 from common.accounting import model_state_bytes
 from common.hang import watchdog_cost
-from common.host_memory import keep_freed_memory
+from common.host_memory import keep_freed_memory, keeps_freed_memory_by_default
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
 from nlp.model import build_llama_config, build_model_from_config
 
@@ -252,15 +252,15 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    # The recipes' processes keep freed host memory (the adapters call this); the raw loop gets the same process
-    # set-up, so that a ratio compares the frameworks' work and not where glibc happened to put a step's tensors.
-    keep_freed_memory()
     world = int(os.environ.get("WORLD_SIZE", 2))
     with tempfile.TemporaryDirectory(prefix="zr-nvme-") as nvme:  # only the *_offload_nvme preset uses it
         facts = RunFacts(
             world_size=world, micro_batch_size=MICRO_BATCH, precision="bf16", hidden_size=HIDDEN, nvme_path=nvme
         )
         ds_config = resolve_deepspeed_config(args.preset, facts)
+        # The recipes' processes keep freed host memory unless they offload (common.process_setup); the raw loop gets
+        # the same setting, so that a ratio compares the frameworks' work and not where glibc put a step's tensors.
+        keep_freed_memory(by_default=keeps_freed_memory_by_default(ds_config))
         runner = {"raw": run_raw, "lightning": run_lightning, "accelerate": run_accelerate}[args.backend]
         times, ranks = runner(args, ds_config)
     if torch.distributed.get_rank() == 0:
