@@ -120,7 +120,7 @@ def arm_hang_detection(timeout: timedelta | None, run_dir: str | Path | None) ->
 def allocator_setting(kept: bool, offload: bool, environ: dict[str, str] | os._Environ = os.environ) -> ProcessSetting:
     """The banner's allocator line: why it is on or off, and the value of ``ZR_KEEP_FREED_MEMORY`` that flips it."""
     if kept:
-        effect = "glibc's trim and mmap thresholds fixed: a step reuses the memory the step before freed"
+        effect = "glibc's mallopt thresholds fixed: a step reuses what the last one freed"
         return ProcessSetting("freed host memory kept", True, effect, f"{KEEP_FREED_MEMORY_ENV}=off")
     if user_configured_malloc(environ):
         effect = "your MALLOC_*, GLIBC_TUNABLES or LD_PRELOAD allocator settings decide"
@@ -128,7 +128,7 @@ def allocator_setting(kept: bool, offload: bool, environ: dict[str, str] | os._E
     if switch_setting(environ) is False:
         effect = f"{KEEP_FREED_MEMORY_ENV}=off: glibc's defaults"
     elif offload:
-        effect = "CPU/NVMe offload: glibc's defaults, so resident memory falls back after the peak"
+        effect = "offload run: glibc's defaults, resident memory falls back after the peak"
     else:
         effect = "not glibc's malloc"
     return ProcessSetting("freed host memory kept", False, effect, f"{KEEP_FREED_MEMORY_ENV}=on")
@@ -172,7 +172,7 @@ def setup_process(
         hang_detection=ProcessSetting(
             "hang detection",
             hang_dir is not None,
-            f"a watchdog thread per rank: a stalled collective writes reports to {hang_dir} and ends the run"
+            f"a watchdog thread; a stalled collective writes reports to {hang_dir} and ends the run"
             if hang_dir
             else "ZR_HANG_DETECTION=off",
             "ZR_HANG_DETECTION=off" if hang_dir else "unset ZR_HANG_DETECTION",
@@ -180,7 +180,7 @@ def setup_process(
         zero_init_dtype=ProcessSetting(
             "zero.Init keeps a given dtype",
             zero_init,
-            "DeepSpeed's Init._set_dtype patched: an explicit dtype wins on CPUs without fp16"
+            "DeepSpeed's Init._set_dtype patched for CPUs without fp16"
             if zero_init
             else f"{ZERO_INIT_DTYPE_ENV}=off: DeepSpeed's own",
             f"{ZERO_INIT_DTYPE_ENV}=off" if zero_init else f"unset {ZERO_INIT_DTYPE_ENV}",
