@@ -105,9 +105,9 @@ def tensors(state, prefix: str = ""):
 
 def load_weights_only(path: Path):
     """A DeepSpeed checkpoint file, unpickling nothing but tensors and DeepSpeed's allow-listed classes."""
-    from common.tools.export import _deepspeed_pickle_classes
+    from common.tools.zero_files import deepspeed_pickle_classes
 
-    with torch.serialization.safe_globals(_deepspeed_pickle_classes()):
+    with torch.serialization.safe_globals(deepspeed_pickle_classes()):
         return torch.load(path, map_location="cpu", weights_only=True)
 
 

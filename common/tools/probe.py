@@ -43,7 +43,8 @@ from tqdm import tqdm
 from common.activation import check_preset
 from common.describe import RecipeDescription
 from common.errors import ConfigError, nearest
-from common.memory_formulas import GUIDE_BANDWIDTH_GBPS, local_device_memory, parse_bandwidths
+from common.machine import local_device_memory
+from common.memory_formulas import GUIDE_BANDWIDTH_GBPS, parse_bandwidths
 from common.parallel import check_sequence_parallel
 from common.presets import PRESET_NAMES, get_preset
 from common.strategy import write_accelerate_files
