@@ -10,9 +10,9 @@ backward, step, framework hooks). Beside it every rank records the CPU time it s
 ``time.process_time`` (all threads of the rank: the training thread plus gloo's and the frameworks' own
 threads) and ``time.thread_time`` (the training thread alone). CPU time counts only work this rank did, not
 time it waited for a core taken by other work on the machine, so it is what bench/overhead.py judges by.
-After the last step every rank reports its per-step CPU times, peak RSS and the model-state bytes it holds
-(common.accounting); rank 0 writes OUT.json. ``--profile PATH`` runs cProfile (timed by the
-thread's CPU time) on rank 0 over the steps after warm-up and writes the pstats file there.
+After the last step every rank reports its per-step CPU times, peak RSS, resident bytes at each step's end and
+the model-state bytes it holds (common.accounting); rank 0 writes OUT.json. ``--profile PATH`` runs cProfile (timed
+by the thread's CPU time) on rank 0 over the steps after warm-up and writes the pstats file there.
 
 Each backend's loop is the one its recipe runs per optimizer step (recipes/nlp/train.py and
 train_accelerate.py): forward, backward, step and a per-step LambdaLR scheduler; Accelerate's loop inside
@@ -35,7 +35,7 @@ import torch
 
 from common.accounting import model_state_bytes
 from common.hang import watchdog_cost
-from common.host_memory import keep_freed_memory
+from common.host_memory import keep_freed_memory, keeps_freed_memory_by_default
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
 from nlp.model import build_llama_config, build_model_from_config
 
@@ -77,6 +77,11 @@ def clocks() -> tuple[float, float, float, float]:
     )
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (``/proc/self/statm``'s second field, in pages)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+
 def intervals(ends: list[float]) -> list[float]:
     return [b - a for a, b in zip(ends, ends[1:])]
 
@@ -87,6 +92,7 @@ class StepClock:
 
     def __init__(self, profile_path: str | None, is_rank0: bool, op_profile_path: str | None = None) -> None:
         self.ends = [clocks()]
+        self.rss_after_step: list[int] = []  # resident bytes at each step's end: what the process keeps between steps
         # Timed by this thread's CPU time, like the verdict: load from other work does not move it.
         self.profiler = cProfile.Profile(time.thread_time) if profile_path and is_rank0 else None
         self.profile_path = profile_path
@@ -99,6 +105,7 @@ class StepClock:
 
     def step_done(self) -> None:
         self.ends.append(clocks())
+        self.rss_after_step.append(resident_bytes())
         if self.profiler is not None and len(self.ends) == PROFILE_AFTER + 1:
             self.profiler.enable()
         if self.op_profile_path and len(self.ends) == PROFILE_AFTER + 1:
@@ -106,7 +113,8 @@ class StepClock:
             self.op_profiler.__enter__()
 
     def finish(self) -> dict[str, list[float]]:
-        """Per step: seconds of ``wall``, ``cpu`` (process_time) and ``thread_cpu`` (thread_time); ``page_faults``."""
+        """Per step: seconds of ``wall``, ``cpu`` (process_time) and ``thread_cpu`` (thread_time); ``page_faults``;
+        ``rss_after_step`` (bytes resident at each step's end)."""
         if self.profiler is not None:
             self.profiler.disable()
             self.profiler.dump_stats(self.profile_path)
@@ -124,6 +132,7 @@ class StepClock:
             "cpu": intervals(list(cpu)),
             "thread_cpu": intervals(list(thread)),
             "page_faults": intervals(list(faults)),
+            "rss_after_step": self.rss_after_step,
         }
 
 
@@ -134,6 +143,7 @@ def rank_report(engine, times: dict[str, list[float]]) -> list[dict]:
         "thread_cpu_step_times": times["thread_cpu"],
         "page_faults_per_step": times["page_faults"],
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+        "rss_after_step_bytes": times["rss_after_step"],
         "hang_watchdog": watchdog_cost(),  # None when hang detection is off (or never armed: the raw loop)
         **model_state_bytes(engine),
     }
@@ -242,15 +252,15 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    # The recipes' processes keep freed host memory (the adapters call this); the raw loop gets the same process
-    # set-up, so that a ratio compares the frameworks' work and not where glibc happened to put a step's tensors.
-    keep_freed_memory()
     world = int(os.environ.get("WORLD_SIZE", 2))
     with tempfile.TemporaryDirectory(prefix="zr-nvme-") as nvme:  # only the *_offload_nvme preset uses it
         facts = RunFacts(
             world_size=world, micro_batch_size=MICRO_BATCH, precision="bf16", hidden_size=HIDDEN, nvme_path=nvme
         )
         ds_config = resolve_deepspeed_config(args.preset, facts)
+        # The recipes' processes keep freed host memory unless they offload (common.process_setup); the raw loop gets
+        # the same setting, so that a ratio compares the frameworks' work and not where glibc put a step's tensors.
+        keep_freed_memory(by_default=keeps_freed_memory_by_default(ds_config))
         runner = {"raw": run_raw, "lightning": run_lightning, "accelerate": run_accelerate}[args.backend]
         times, ranks = runner(args, ds_config)
     if torch.distributed.get_rank() == 0:

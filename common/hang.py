@@ -26,8 +26,9 @@ Nothing is written in a healthy run. After a hang, ``RUN_DIR/hang/`` holds ``ran
 per rank, ``flight_recorder_rankN.json`` (the rank's whole flight-recorder ring) and ``diagnosis.txt``;
 ``zero-recipes doctor --hang RUN_DIR`` reads them again.
 
-Recipes reach this module only through the factory (``common.strategy.lightning_trainer_kwargs`` and
-``accelerator_kwargs``); ``ZR_HANG_DETECTION=off`` turns it off (bench/hang_overhead.py's baseline).
+Recipes arm it through ``common.process_setup.setup_process`` (called in every entry point's ``main()`` and again by
+the factory's adapters, which prints it once among the process-wide settings); ``ZR_HANG_DETECTION=off`` turns it off
+(bench/hang_overhead.py's baseline).
 """
 
 from __future__ import annotations
@@ -101,9 +102,9 @@ def detection_enabled() -> bool:
 def enable_hang_detection(timeout: datetime.timedelta | None = None, run_dir: str | Path | None = None) -> None:
     """Arm hang detection for this process (idempotent; later calls update the settings).
 
-    Called by the factory before the process group exists. The watchdog thread starts now and attaches itself
-    once ``torch.distributed`` is initialised (by Lightning's strategy or by ``Accelerator()``), so that the same
-    call works for both backends and for every launcher.
+    Called by ``common.process_setup.setup_process`` before the process group exists. The watchdog thread starts
+    now and attaches itself once ``torch.distributed`` is initialised (by Lightning's strategy or by
+    ``Accelerator()``), so that the same call works for both backends and for every launcher.
     """
     global _MONITOR
     if not detection_enabled():

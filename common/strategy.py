@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, nearest
-from common.host_memory import keep_freed_memory
 from common.memory_formulas import MIN_SWAPPED_BYTES, swap_threshold_bytes
 from common.nvme_storage import check_nvme_storage, nvme_sections
 from common.presets import FROM_LAYOUT, FROM_MODEL, get_preset
+from common.process_setup import setup_process
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 
@@ -472,49 +472,6 @@ def step_decay_with_warmup(step: int, warmup_steps: int, every: int, gamma: floa
     return warmup_factor(step, warmup_steps) * gamma ** (step // every)
 
 
-def arm_hang_detection(timeout: timedelta | None, run_dir: str | Path | None) -> None:
-    """Make a stalled collective explain itself on every rank, then end the run (:mod:`common.hang`).
-
-    Both backends' adapters call it before the process group exists: the same ``timeout`` bounds every
-    collective, and a hang's reports go to ``run_dir/hang/`` (``$ZR_HANG_DIR`` or ``./hang`` without a
-    ``run_dir``). ``ZR_HANG_DETECTION=off`` leaves it out.
-    """
-    from common.hang import enable_hang_detection  # imports torch: kept out of the tools' import path
-
-    enable_hang_detection(timeout, run_dir)
-
-
-def keep_zero_init_dtype() -> None:
-    """Make ``deepspeed.zero.Init`` keep a dtype it is given (DeepSpeed 0.19.8, CPUs without fp16 kernels).
-
-    ``Init._set_dtype`` computes ``dtype or torch.float16 if accelerator.is_fp16_supported() else torch.bfloat16 if
-    ...``: by operator precedence an explicit ``dtype`` counts only where fp16 is supported. On a CPU without fp16
-    (this AMD EPYC; the Intel Sapphire Rapids machines before it have it) every explicit fp32 request became bf16,
-    the stage-3 engine's own included: fp32 ZeRO-3 with NVMe offload swapped bf16 weights and failed on its first
-    forward ("self and mat2 must have the same dtype, but got Float and BFloat16"). The replacement gives ``dtype``
-    precedence and leaves DeepSpeed's choice otherwise. Both adapters call it; calling it again changes nothing.
-    """
-    import contextlib
-    import sys
-
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time log must not reach a JSON stdout
-        from deepspeed.runtime.zero.partition_parameters import Init
-
-    if getattr(Init._set_dtype, "keeps_given_dtype", False):
-        return
-    deepspeeds = Init._set_dtype
-
-    def _set_dtype(self: Any, ds_config: Any, dtype: Any) -> None:
-        if dtype is not None:
-            self.dtype = dtype
-        else:
-            deepspeeds(self, ds_config, dtype)
-
-    _set_dtype.keeps_given_dtype = True
-    _set_dtype.deepspeeds = deepspeeds  # for the test that checks the upstream bug is still there
-    Init._set_dtype = _set_dtype
-
-
 # --- Lightning adapter --------------------------------------------------------------------------------
 
 LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
@@ -538,9 +495,10 @@ def lightning_trainer_kwargs(
     """``Trainer`` keyword arguments for a resolved config: strategy, precision, accumulation, clipping.
 
     The strategy is :class:`common.lightning_cpu.ZeroDeepSpeedStrategy`, which is Lightning's own
-    ``DeepSpeedStrategy`` on a GPU and also runs real ZeRO on a CPU. Hang detection is armed too
-    (:func:`arm_hang_detection`), and the process keeps the host memory a step frees for the next
-    (:func:`common.host_memory.keep_freed_memory`).
+    ``DeepSpeedStrategy`` on a GPU and also runs real ZeRO on a CPU. It also makes the process-wide settings of a run
+    (:func:`common.process_setup.setup_process`: hang detection, the ``zero.Init`` dtype patch, freed host memory
+    kept unless offloading), as every entry point does first in its ``main()``: a script of your own that calls only
+    this adapter gets the same process, and the banner naming each setting and its off switch prints once.
 
     Args:
         ds_config: the factory's resolved config.
@@ -549,9 +507,7 @@ def lightning_trainer_kwargs(
     """
     from common.lightning_cpu import ZeroDeepSpeedStrategy
 
-    arm_hang_detection(timeout, run_dir)
-    keep_zero_init_dtype()
-    keep_freed_memory()
+    setup_process(ds_config, timeout, run_dir)  # process-wide; a second call in one process prints nothing
     kwargs: dict[str, Any] = {"config": lightning_strategy_config(ds_config)}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -591,16 +547,14 @@ def accelerator_kwargs(
     """``Accelerator`` keyword arguments: plugin, mixed precision, accumulation, and a gloo-safe process group.
 
     With ``--use_deepspeed`` on a CPU a plain ``Accelerator()`` may count one process while DeepSpeed runs
-    two; naming the backend explicitly fixes it (docs/design.md, "Found on the way"). Hang detection is armed
-    too (:func:`arm_hang_detection`), and freed host memory is kept (:func:`common.host_memory.keep_freed_memory`);
-    ``timeout`` and ``run_dir`` as for :func:`lightning_trainer_kwargs`.
+    two; naming the backend explicitly fixes it (docs/design.md, "Found on the way"). It also makes the process-wide
+    settings (:func:`common.process_setup.setup_process`), as :func:`lightning_trainer_kwargs` does; ``timeout`` and
+    ``run_dir`` as there.
     """
     import torch
     from accelerate.utils import InitProcessGroupKwargs
 
-    arm_hang_detection(timeout, run_dir)
-    keep_zero_init_dtype()
-    keep_freed_memory()
+    setup_process(ds_config, timeout, run_dir)  # process-wide; a second call in one process prints nothing
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     pg_kwargs = {"backend": backend}
     if timeout is not None:

@@ -57,6 +57,7 @@ from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
 from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce, grad_norm
+from common.process_setup import setup_process
 from common.resume import find_resume_point, mark_universal, prepare_resume, with_universal_load
 from common.rundir import (
     MetricsLog,
@@ -207,6 +208,7 @@ def main() -> None:
 
     module = ImageClassifier(cfg, model, data, ds_config, start_step, clock)
     load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
+    setup_process(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=devices,

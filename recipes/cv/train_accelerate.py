@@ -45,6 +45,7 @@ from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce, grad_norm
+from common.process_setup import setup_process
 from common.resume import find_resume_point, mark_universal, param_groups_kept, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
 from common.strategy import accelerator_kwargs, make_optimizer
@@ -70,6 +71,7 @@ def main() -> None:
     mark_universal(model)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
 
     load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
+    setup_process(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     accelerator = Accelerator(**accelerator_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s)))
     rank, device = accelerator.process_index, accelerator.device
     if accelerator.is_main_process:

@@ -24,8 +24,8 @@ The run directory ends with config.yaml, ds_config.json, env.json, metrics.jsonl
 (docs/finetune.md). ``--describe`` prints what the planning tools need (base model counted from its config.json,
 DeepSpeed dict) as JSON and trains nothing.
 
-The keys are in ``finetune_config.py``; the model (``build_lora_model``), data, loss, exact match and export are in
-``finetuning.py``, shared with ``finetune_accelerate.py``.
+The keys are in ``finetune_config.py``; the model (``build_lora_model``), data, exact match and export are in
+``finetuning.py`` and the loss in ``finetune_loss.py``, both shared with ``finetune_accelerate.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from finetune_config import DEFAULT_CONFIG, FinetuneConfig
+from finetune_loss import evaluate, global_batch_tokens, loss_scale, step_token_mean, train_loss  # next to this script
 from finetuning import (
     FinetuneSummary,
     SFTData,
@@ -47,14 +48,11 @@ from finetuning import (
     check_sequence_parallel,
     data_parallel,
     describe,
-    evaluate,
     final_export,
-    global_batch_tokens,
     load_plain,
     load_sft_data,
     load_tokenizer,
     lora_param_groups,
-    loss_scale,
     lr_lambda,
     make_summary,
     peak_memory_over_ranks,
@@ -62,8 +60,6 @@ from finetuning import (
     resolve_ds_config,
     score,
     sft_loader,
-    step_token_mean,
-    train_loss,
     val_batches,
     write_run_files,
     write_summary,
@@ -84,6 +80,7 @@ from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
 from common.metrics import Clock, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
+from common.process_setup import setup_process
 from common.rundir import (
     MetricsLog,
     is_launcher_rank_zero,
@@ -153,7 +150,7 @@ class LoRAFinetune(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        # The step's token mean (finetuning.loss_scale); global_step counts the optimizer steps done so far.
+        # The step's token mean (finetune_loss.loss_scale); global_step counts the optimizer steps done so far.
         dp_size = data_parallel(self.cfg, self.global_rank, self.trainer.world_size)[1]
         tokens = global_batch_tokens(self.data, self.cfg, dp_size, self.trainer.global_step)
         loss, sums = train_loss(self.model, batch, self.device, loss_scale(self.cfg, dp_size, tokens), self.sp)
@@ -289,6 +286,7 @@ def main() -> None:
     start_step = checkpoint_step(latest) if latest else 0
 
     module = LoRAFinetune(cfg, data, ds_config, attention, module_names, base_val_accuracy, base, start_step, clock)
+    setup_process(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     trainer_kwargs = lightning_trainer_kwargs(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))
     trainer_kwargs["strategy"].exclude_frozen_parameters = True  # the frozen base is model=, not checkpoint state
     trainer = L.Trainer(

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from finetune_config import DEFAULT_CONFIG, FinetuneConfig
+from finetune_loss import evaluate, global_batch_tokens, loss_scale, step_token_mean, train_loss  # next to this script
 from finetuning import (
     base_model_config,
     base_module_names,
@@ -33,14 +34,11 @@ from finetuning import (
     check_sequence_parallel,
     data_parallel,
     describe,
-    evaluate,
     final_export,
-    global_batch_tokens,
     load_plain,
     load_sft_data,
     load_tokenizer,
     lora_param_groups,
-    loss_scale,
     lr_lambda,
     make_summary,
     peak_memory_over_ranks,
@@ -48,8 +46,6 @@ from finetuning import (
     resolve_ds_config,
     score,
     sft_loader,
-    step_token_mean,
-    train_loss,
     val_batches,
     write_run_files,
     write_summary,
@@ -70,6 +66,7 @@ from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
 from common.metrics import Clock, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
+from common.process_setup import setup_process
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads
 from common.strategy import accelerator_kwargs, make_optimizer, zero_stage
 from nlp.data import DataError
@@ -123,6 +120,7 @@ def main() -> None:
         print(f"base model exact match on the held-out set: {base_val_accuracy:.3f}", flush=True)
 
     # --- DeepSpeed through Accelerate; ZeRO-3's partitioned construction is on from here ---
+    setup_process(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     accelerator_args = accelerator_kwargs(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))
     if cfg.sequence_parallel > 1:  # Ulysses: prepare() routes attention through it and gives DeepSpeed the groups
         accelerator_args["parallelism_config"] = sequence_parallel.accelerate_parallelism(
@@ -170,7 +168,7 @@ def main() -> None:
     step, loss_sums, state_bytes = start_step, [], {}
     clock.skip()
     for batch in loader:
-        # The step's token mean (finetuning.loss_scale): the global batch's response tokens, known from the data.
+        # The step's token mean (finetune_loss.loss_scale): the global batch's response tokens, known from the data.
         scale = loss_scale(cfg, dp_size, global_batch_tokens(data, cfg, dp_size, step))
         with accelerator.accumulate(engine):
             loss, sums = train_loss(engine, batch, device, scale, sp)

@@ -1,7 +1,8 @@
 """The fine-tuning recipe's config: every key of ``configs/finetune*.yaml``, checked when it is built.
 
 ``finetune.py`` and ``finetune_accelerate.py`` read it with ``common.config.parse_recipe_args``; what the run does
-with it (data, base model + LoRA, loss, exact match, run files, export, summary) is in ``finetuning.py``.
+with it (data, base model + LoRA, exact match, run files, export, summary) is in ``finetuning.py``, the loss in
+``finetune_loss.py``.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ from common.describe import local_world
 from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce, grad_norm
 from common.parallel import check_mesh, check_replica_batch
+from common.process_setup import setup_process
 from common.resume import mark_universal, prepare_resume, with_universal_load
 from common.rundir import (
     MetricsLog,
@@ -249,6 +250,7 @@ def main() -> None:
 
     module = CausalLM(RunRecord(cfg, ds_config, layout, config, attention, "lightning", clock), data, start_step)
     load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
+    setup_process(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=devices,

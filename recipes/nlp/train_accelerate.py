@@ -58,6 +58,7 @@ from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce, grad_norm
 from common.parallel import check_mesh
+from common.process_setup import setup_process
 from common.resume import (
     mark_universal,
     param_groups_kept,
@@ -89,6 +90,7 @@ def main() -> None:
     resume = resume_point(cfg, layout)
     start_step = resume.step if resume else 0
     load_config = with_universal_load(ds_config) if resume and resume.universal else ds_config
+    setup_process(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     accelerator_args = accelerator_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s))
     if cfg.sequence_parallel > 1:  # Ulysses: prepare() routes attention through it and gives DeepSpeed the groups
         device_type = "cuda" if torch.cuda.is_available() else "cpu"

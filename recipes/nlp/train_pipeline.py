@@ -80,6 +80,7 @@ from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce, peak_memory_bytes
 from common.parallel import check_mesh
+from common.process_setup import setup_process
 from common.resume import prepare_resume
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
 from common.strategy import make_optimizer, torch_dtype
@@ -182,6 +183,7 @@ def main() -> None:
     device = torch.device(f"cuda:{local_rank}" if on_gpu else "cpu")
     if on_gpu:
         torch.cuda.set_device(device)
+    setup_process(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     deepspeed.init_distributed(
         dist_backend="nccl" if on_gpu else "gloo", timeout=timedelta(seconds=cfg.collective_timeout_s)
     )

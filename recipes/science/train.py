@@ -54,6 +54,7 @@ from common.config import config_to_dict, parse_recipe_args
 from common.describe import local_world
 from common.errors import exit_on_user_error
 from common.metrics import Clock, grad_norm
+from common.process_setup import setup_process
 from common.resume import find_resume_point, mark_universal, prepare_resume, with_universal_load
 from common.rundir import (
     MetricsLog,
@@ -201,6 +202,7 @@ def main() -> None:
             prepare_resume(resume, config_to_dict(cfg))
 
     module = OperatorLearning(cfg, data, superres, out_dir, start_step, clock)
+    setup_process(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=devices,

@@ -33,6 +33,7 @@ RESULTS_BENCH = {
     "export_memory.json": "export_memory.py",
     "overhead.json": "overhead.py",
     "overhead_allocator.json": "overhead.py",
+    "allocator_offload.json": "allocator_offload.py",
     "memory.json": "memory.py",
     "activations.json": "activations.py",
     "hang_overhead.json": "hang_overhead.py",

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from golden.regenerate import FACTS, GOLDEN
 
-from common import lint, nvme_storage, strategy
+from common import lint, nvme_storage, process_setup, strategy
 from common.errors import ConfigError
 from common.lint import LintView
 from common.memory_formulas import nvme_swapped_bytes_per_rank
@@ -325,7 +325,7 @@ def test_storage_checks_can_be_left_to_the_target_machine():
 
 def test_zero_init_keeps_a_given_dtype_on_a_cpu_without_fp16(monkeypatch):
     """DeepSpeed 0.19.8's ``Init._set_dtype`` turns an explicit fp32 into bf16 where fp16 is unsupported (operator
-    precedence): fp32 ZeRO-3 with NVMe offload failed on this AMD CPU. Both adapters call keep_zero_init_dtype."""
+    precedence): fp32 ZeRO-3 with NVMe offload failed on this AMD CPU. setup_process calls keep_zero_init_dtype."""
     import torch
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.partition_parameters import Init
@@ -344,8 +344,8 @@ def test_zero_init_keeps_a_given_dtype_on_a_cpu_without_fp16(monkeypatch):
 
     # The upstream bug, still present: when this fails, DeepSpeed fixed it and keep_zero_init_dtype can go.
     assert chosen(torch.float32) == torch.bfloat16
-    strategy.keep_zero_init_dtype()
+    process_setup.keep_zero_init_dtype()
     assert chosen(torch.float32) == torch.float32 and chosen(torch.bfloat16) == torch.bfloat16
     assert chosen(None) == torch.bfloat16  # no dtype given: DeepSpeed's own choice, unchanged
-    strategy.keep_zero_init_dtype()  # a second call wraps nothing twice
+    process_setup.keep_zero_init_dtype()  # a second call wraps nothing twice
     assert Init._set_dtype.deepspeeds is deepspeeds
