@@ -97,6 +97,7 @@ from common.parallel import (
     stage_refusal,
 )
 from common.presets import FROM_MODEL, get_preset
+from common.snapshot_memory import snapshot_bytes_per_node, snapshot_bytes_per_rank
 from common.strategy import bucket_elements, persistence_threshold
 from common.tools.options import refuse_outside_mode
 from common.tools.recipes import describe
@@ -151,6 +152,8 @@ class PlanInputs:
         pipeline_parallel: PP, pipeline stages (1: none).
         expert_parallel: EP, ranks splitting a MoE layer's experts (1: none).
         sequence_parallel: SP, ranks splitting each sequence (Ulysses; 1: none).
+        async_save: asynchronous checkpoints (``--async-save``, a recipe's ``async_save``): the host copy of each
+            rank's share of a checkpoint (:mod:`common.snapshot_memory`) joins the host RAM per node.
     """
 
     gpus_per_node: int = 1
@@ -172,6 +175,7 @@ class PlanInputs:
     expert_parallel: int = 1
     sequence_parallel: int = 1
     parallel_components: str = "any"  # "deepspeed": the recipe's own components run each degree (common.parallel)
+    async_save: bool = False  # asynchronous checkpoints: each rank's share of a checkpoint held in host RAM
 
     @property
     def world_size(self) -> int:
@@ -220,6 +224,7 @@ class Row:
     slowest_link: str | None = None
     longest_seq_len: int | None = None
     longest_seq_len_without_sp: int | None = None
+    async_snapshot_bytes: float = 0.0  # with async_save: the largest rank's host copy of its checkpoint share
 
 
 @dataclass
@@ -283,6 +288,17 @@ def _offload_time(facts: ModelFacts, stage: int, offload: str, inputs: PlanInput
     }
 
 
+def _async_snapshot(facts: ModelFacts, stage: int, inputs: PlanInputs) -> tuple[float, float]:
+    """(the largest rank's, the first node's) host bytes of an asynchronous checkpoint's copy (async_save)."""
+    layout = inputs.layout
+    trainable = lora_params(facts, inputs.lora_rank) if inputs.lora_rank else facts.num_params
+    module = float(sum(rank_params(facts, layout)))  # the rank's parameters (all of them without TP, PP or EP)
+    partition = rank_partition(facts, layout) if stage else module  # stage 0 shards nothing
+    writer, other = snapshot_bytes_per_rank(partition * trainable / facts.num_params, module, stage, inputs.precision)
+    writers = layout.tensor * layout.pipeline  # a data-parallel group's first rank each; TP innermost: on node 0
+    return writer, snapshot_bytes_per_node(writer, other, inputs.gpus_per_node, writers)
+
+
 # --- the plan -----------------------------------------------------------------------------------------
 
 
@@ -332,6 +348,8 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
             sharded = int(sum(rank_params(facts, layout))) - persistent_params(facts, threshold) // layout.pipeline
         buffers = buffer_bytes(stage, zero, inputs.precision, largest, bucket, sharded)
         host_node = host * inputs.gpus_per_node
+        snapshot, snapshot_node = _async_snapshot(facts, stage, inputs) if inputs.async_save else (0.0, 0.0)
+        host_node += snapshot_node
         host_ok = inputs.host_memory_bytes is None or host_node <= inputs.host_memory_bytes
         total = None if act_none is None else device + buffers + act_none
         total_ckpt = None if act_ckpt is None else device + buffers + act_ckpt
@@ -368,6 +386,7 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
                 fits_with=fits_with if fits else None,
                 note=note,
                 model_states_disk_bytes=disk,
+                async_snapshot_bytes=snapshot,
                 **_offload_time(facts, stage, offload, inputs),
             )
         )
@@ -472,6 +491,11 @@ def recommend(result: Plan) -> dict[str, Any]:
             f"nothing fits in {fmt_gb(usable)} per device ({int(USABLE_FRACTION * 100)} % of "
             f"{fmt_gb(result.inputs.device_memory_bytes)}): add devices or nodes, lower the micro batch or "
             "sequence length, or offload to NVMe (deepspeed_stage_3_offload_nvme)"
+            + (
+                "; rows short of host RAM per node are marked (host/node)"
+                if any(r.note.startswith("host RAM") for r in result.rows)
+                else ""
+            )
         ),
     }
 
@@ -594,6 +618,8 @@ def format_plan(result: Plan) -> str:
         "  --bandwidth LINK=GB/s sets a measured one (bench/nvme_io.py measures the disk); --offload X shows the sums.",
         "",
     ]
+    if inp.async_save:
+        lines[-1:-1] = _async_lines(result)
     if inp.sequence_parallel > 1:
         lines += _longest_lines(result) + [""]
     if inp.offload not in (None, "none"):
@@ -610,6 +636,17 @@ def format_plan(result: Plan) -> str:
     )
     lines += textwrap.wrap(recommended, width=len(header), subsequent_indent="  ", break_on_hyphens=False)
     return "\n".join(lines)
+
+
+def _async_lines(result: Plan) -> list[str]:
+    """The async_save term of host/node: what each rank's snapshot copies, per row without offload."""
+    shown = ", ".join(f"stage {r.stage} {fmt_gb(r.async_snapshot_bytes)}" for r in result.rows if r.offload == "none")
+    text = (
+        "async_save: host/node includes each rank's host copy of its checkpoint share (optimizer partition 12 B x "
+        "trainable / N; stages 0-2: + the module on each data-parallel group's first rank); the largest rank's: "
+        + shown
+    )
+    return textwrap.wrap(text, width=110, subsequent_indent="  ")
 
 
 def _layout_lines(result: Plan) -> list[str]:
@@ -817,6 +854,13 @@ def register(sub: Any) -> None:
         help="SP: ranks splitting each sequence (DeepSpeed Ulysses); must divide the heads and --seq-len "
         "(default 1, or the recipe's sequence_parallel)",
     )
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        default=None,
+        help="asynchronous checkpoints: count each rank's host copy of its checkpoint share in host/node "
+        "(default: the recipe's async_save)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_estimate)
 
@@ -836,6 +880,7 @@ def _recipe_inputs(args: Any) -> tuple[ModelFacts, dict[str, Any]]:
         "expert_parallel": cfg.get("expert_parallel"),
         "sequence_parallel": cfg.get("sequence_parallel"),
         "parallel_components": run.parallel_components,
+        "async_save": cfg.get("async_save"),
     }
     ac = cfg.get("activation_checkpointing", "none")
     if ac and ac != "none":
@@ -899,6 +944,7 @@ def cmd_estimate(args: Any) -> int:
         if args.sequence_parallel is None
         else args.sequence_parallel,
         parallel_components=recipe_defaults.get("parallel_components", "any"),
+        async_save=bool(args.async_save or recipe_defaults.get("async_save", False)),
     )
     result = plan(facts, inputs)
     print(to_json_text(result) if args.json else format_plan(result))
