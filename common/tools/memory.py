@@ -57,6 +57,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -99,6 +100,15 @@ from common.parallel import (
 from common.presets import FROM_MODEL, get_preset
 from common.snapshot_memory import snapshot_bytes_per_node, snapshot_bytes_per_rank
 from common.strategy import bucket_elements, persistence_threshold
+from common.tools.estimate_network import (
+    NetworkInputs,
+    add_arguments,
+    fmt_comm,
+    network_from_args,
+    network_lines,
+    network_recommendation,
+    row_network,
+)
 from common.tools.estimate_sequence import longest_lines, longest_sequence, longest_summary
 from common.tools.options import refuse_outside_mode
 from common.tools.recipes import describe
@@ -177,6 +187,7 @@ class PlanInputs:
     sequence_parallel: int = 1
     parallel_components: str = "any"  # "deepspeed": the recipe's own components run each degree (common.parallel)
     async_save: bool = False  # asynchronous checkpoints: each rank's share of a checkpoint held in host RAM
+    network: NetworkInputs | None = None  # links and compute: communication seconds per step (estimate_network)
 
     @property
     def world_size(self) -> int:
@@ -226,6 +237,9 @@ class Row:
     longest_seq_len: int | None = None
     longest_seq_len_without_sp: int | None = None
     async_snapshot_bytes: float = 0.0  # with async_save: the largest rank's host copy of its checkpoint share
+    network: dict[str, Any] | None = (
+        None  # with --network / --bandwidth-from: communication per step (estimate_network)
+    )
 
 
 @dataclass
@@ -392,15 +406,18 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
             )
         )
         row = result.rows[-1]
+        if inputs.network is not None:
+            row.network = row_network(facts, inputs, inputs.network, stage, zero)
         if host_ok and refusal is None:
             row.longest_seq_len = longest_sequence(facts, inputs, base, sp)
             row.longest_seq_len_without_sp = longest_sequence(facts, inputs, base, 1) if sp > 1 else row.longest_seq_len
     result.recommendation = recommend(result)
+    result.recommendation = network_recommendation(result, recommend, plan, _rung_name)
     return result
 
 
-def recommend(result: Plan) -> dict[str, Any]:
-    """The first rung of guide 1's ladder (section 5.3) that fits, with the reason in words.
+def recommend(result: Plan, accept: Callable[[Row], bool] | None = None) -> dict[str, Any]:
+    """The first rung of guide 1's ladder (section 5.3) that fits (and that ``accept`` takes), with the reason.
 
     Order: stages 0, 1, 2, 3 without offload and without activation checkpointing; then the same with
     checkpointing (compute traded for memory, guide 1, 5.1); then stage 2 + optimizer offload (the
@@ -416,7 +433,7 @@ def recommend(result: Plan) -> dict[str, Any]:
     for mode, keys in passes:
         for key in keys:
             row = rows.get(key)
-            if row is None or not row.fits:
+            if row is None or not row.fits or (accept is not None and not accept(row)):
                 continue
             if mode == "none" and row.fits_with not in ("none", "unknown activations"):
                 continue
@@ -478,6 +495,8 @@ def _recommendation(row: Row, result: Plan, usable: float, ac: str) -> dict[str,
         lower = rows.get(key)
         if lower is not None:
             text = f"{_rung_name(lower)} needs {_rung_need(lower, ac)}"
+            if lower.fits and lower.network and not lower.network["within_max_share"]:
+                text += " (fits, but its communication is over the bar)"
             skipped.append(text + (f", {lower.note}" if lower.note else ""))
     reason = f"{_rung_name(row)} fits in {fmt_gb(used)}"
     if checkpointing != "none":
@@ -525,7 +544,9 @@ def format_plan(result: Plan) -> str:
     lines.append("")
     header = (
         f"{'stage':>5}  {'offload':<9}  {'guide states':>12}  {'DeepSpeed est.':>14}  {'activations':>11}  "
-        f"{'act. ' + ac:>16}  {'buffers <=':>10}  {'host/node':>10}  {'offload s/step >=':>17}  fits"
+        f"{'act. ' + ac:>16}  {'buffers <=':>10}  {'host/node':>10}  {'offload s/step >=':>17}  "
+        + (f"{'comm s share/exp.':>17}  " if inp.network else "")
+        + "fits"
     )
     lines += [header, "-" * len(header)]
     for r in result.rows:
@@ -540,7 +561,9 @@ def format_plan(result: Plan) -> str:
             f"{r.stage:>5}  {r.offload:<9}  {fmt_gb(r.model_states_bytes):>12}  "
             f"{fmt_gb(r.deepspeed_estimate_bytes):>14}  {fmt_gb(r.activations_bytes):>11}  "
             f"{fmt_gb(r.activations_checkpointed_bytes):>16}  {fmt_gb(r.buffers_bytes):>10}  "
-            f"{fmt_gb(r.host_ram_per_node_bytes):>10}  {_fmt_floor(r):>17}  {fits}"
+            f"{fmt_gb(r.host_ram_per_node_bytes):>10}  {_fmt_floor(r):>17}  "
+            + (f"{fmt_comm(r):>17}  " if inp.network else "")
+            + fits
         )
     rec = result.recommendation
     lines += [
@@ -559,6 +582,8 @@ def format_plan(result: Plan) -> str:
     ]
     if inp.async_save:
         lines[-1:-1] = _async_lines(result)
+    if inp.network:
+        lines[-1:-1] = network_lines(result, _rung_name)
     if inp.sequence_parallel > 1:
         lines += longest_lines(result) + [""]
     if inp.offload not in (None, "none"):
@@ -759,6 +784,7 @@ def register(sub: Any) -> None:
         help="asynchronous checkpoints: count each rank's host copy of its checkpoint share in host/node "
         "(default: the recipe's async_save)",
     )
+    add_arguments(p)  # --network, --bandwidth-from and the compute they are weighed against
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_estimate)
 
@@ -843,6 +869,7 @@ def cmd_estimate(args: Any) -> int:
         else args.sequence_parallel,
         parallel_components=recipe_defaults.get("parallel_components", "any"),
         async_save=bool(args.async_save or recipe_defaults.get("async_save", False)),
+        network=network_from_args(args, gpus * nodes, nodes),
     )
     result = plan(facts, inputs)
     print(to_json_text(result) if args.json else format_plan(result))
