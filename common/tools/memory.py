@@ -495,7 +495,8 @@ def _recommendation(row: Row, result: Plan, usable: float, ac: str) -> dict[str,
         lower = rows.get(key)
         if lower is not None:
             text = f"{_rung_name(lower)} needs {_rung_need(lower, ac)}"
-            if lower.fits and lower.network and not lower.network["within_max_share"]:
+            passed_for_network = lower.fits_with in ("none", "unknown activations") or checkpointing != "none"
+            if lower.fits and passed_for_network and lower.network and not lower.network["within_max_share"]:
                 text += " (fits, but its communication is over the bar)"
             skipped.append(text + (f", {lower.note}" if lower.note else ""))
     reason = f"{_rung_name(row)} fits in {fmt_gb(used)}"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ from common.tools.cli import build_parser
 from common.tools.estimate_network import NetworkInputs
 from common.tools.memory import PlanInputs, plan
 
+REPO = Path(__file__).resolve().parents[2]
 SEVEN_B = assumed_transformer(7_000_000_000)
 # 7B on 4 nodes of 8 x 32 GB: stage 3 is what memory recommends (the lower rungs need checkpointing).
 FOUR_NODES = PlanInputs(gpus_per_node=8, nodes=4, device_memory_bytes=32 * GB, offload="none")
@@ -163,3 +166,30 @@ def test_measured_links_from_doctor(tmp_path):
     stage3 = next(r for r in json.loads(out)["rows"] if r["stage"] == 3)
     assert {t["link"] for t in stage3["network"]["terms"]} <= {"all_reduce", "all_gather", "reduce_scatter"}
     assert parse_link("pcie3").bus_bytes_per_s == 16e9
+
+
+DOC = REPO / "docs" / "choosing_a_stage.md"
+WORKED = re.compile(r"```\n\$ (zero-recipes estimate [^\n]*--network [^\n]*)\n(.*?)\n```", re.S)
+
+
+def test_worked_examples_are_the_commands_output():
+    """docs/choosing_a_stage.md's network examples: each block equals a fresh run, and each figure of the summary
+    table is in its example's guide-check line (13B on one node of 8; 7B on 4 nodes at micro batch 1 and 8)."""
+    text = DOC.read_text()
+    blocks = WORKED.findall(text)
+    assert len(blocks) == 5, "the 13B NVLink and PCIe 3.0 examples, 7B over 25 and 100 Gbit/s, and at micro batch 8"
+    guide_lines = {}
+    for command, shown in blocks:
+        code, out, err = run_cli(*command.split()[2:])
+        assert code == 0, err
+        fix = f"paste the output of `{command}` into docs/choosing_a_stage.md"
+        assert shown.splitlines() == out.rstrip("\n").splitlines(), fix
+        guide = " ".join(out.split("guide 2's rules checked:")[1].split("stage 3, term by term")[0].split())
+        guide_lines[
+            ("13B" if "13e9" in command else "7B", "8 x 2,048" if "--micro-batch-size 8" in command else "1")
+        ] = guide
+    table = re.findall(r"^\| (13B|7B), [^|]* \| (1|8) x 2,048 tokens \| (.*?) \| (.*?) \|$", text, re.M)
+    assert len(table) == 3
+    for model, batch, over25, over100 in table:
+        guide = guide_lines[(model, "8 x 2,048" if batch == "8" else "1")]
+        assert f"over 25gbps {over25}" in guide and f"over 100gbps {over100}" in guide, (model, batch, guide)
