@@ -458,9 +458,12 @@ def recommend(result: Plan, accept: Callable[[Row], bool] | None = None) -> dict
 
 _RUNG_WHY = {
     (0, "none"): "plain data parallelism: no sharding, DDP's communication",
-    (1, "none"): "stage 1 shards optimizer states at DDP's communication cost",
-    (2, "none"): "stage 2 also shards gradients (reduce-scatter; guide 1 measured 0.97x of stage 1)",
-    (3, "none"): "stage 3 shards parameters too (an all-gather per layer; guide 1 measured 0.92x)",
+    (1, "none"): "stage 1 shards optimizer states (DeepSpeed 0.19: a gradient all-reduce a step, then an all-gather "
+    "of the updated parameters, 1.5x DDP's bytes)",
+    (2, "none"): "stage 2 also shards gradients (DeepSpeed 0.19 all-reduces each gradient bucket every micro-batch and "
+    "keeps its part: with accumulation more bytes than stage 1; guide 1 measured 0.97x of stage 1)",
+    (3, "none"): "stage 3 shards parameters too (all-gathers before forward and backward, a reduce-scatter of the "
+    "gradients, every micro-batch; guide 1 measured 0.92x)",
     (1, "optimizer"): "stage 1 with optimizer states in host RAM",
     (2, "optimizer"): "optimizer states in host RAM, the guide's first offload (12 B/param leave the device)",
     (3, "optimizer"): "stage 3 with optimizer states in host RAM",
