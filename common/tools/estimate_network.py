@@ -19,7 +19,7 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from common.communication import (
     LINK_CLASSES,
@@ -39,8 +39,8 @@ from common.errors import ConfigError
 from common.memory_formulas import GB, WORKING_BYTES, ModelFacts, fmt_gb
 from common.parallel import rank_params
 
-if TYPE_CHECKING:  # the planner imports this module: its types only for the hints
-    from common.tools.memory import Plan, PlanInputs, Row
+# A plan, its inputs and its rows are common.tools.memory's Plan, PlanInputs and Row (which imports this module).
+Plan = PlanInputs = Row = Any
 
 DEFAULT_PEAK_TFLOPS = 312.0  # A100's dense bf16 peak (NVIDIA's datasheet): the worked examples' device
 DEFAULT_UTILISATION = 0.5  # of that peak in the matrix multiplies: a stated assumption, not a measurement

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import math
 import textwrap
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from common.memory_formulas import USABLE_FRACTION, ModelFacts, pipeline_activations
 
-if TYPE_CHECKING:  # the planner imports this module: its types only for the hints
-    from common.tools.memory import Plan, PlanInputs, Row
+# A plan, its inputs and its rows are common.tools.memory's Plan, PlanInputs and Row (which imports this module).
+Plan = PlanInputs = Row = Any
 
 SEQ_STEP = 1024  # the search's granularity: sequence lengths are multiples of it (and of SP)
 MAX_SEQ_LEN = 2**26  # 67M tokens: the search's ceiling
