@@ -14,7 +14,6 @@ import platform
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from typing import TypeVar
 import psutil
 
 from common.metrics import median  # noqa: F401  (re-exported for the benches)
+from common.rundir import free_port  # noqa: F401  (re-exported for the benches)
 from common.strategy import RunFacts, resolve_deepspeed_config, write_accelerate_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -173,12 +173,6 @@ def read_results(path: Path) -> tuple[dict, dict | list]:
     if not isinstance(document, dict) or "provenance" not in document or "results" not in document:
         raise ValueError(f"{path} was not written by write_results (no provenance): rerun its bench")
     return document["provenance"], document["results"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def bench_env(threads_per_rank: int | None = 1) -> dict[str, str]:

@@ -33,7 +33,7 @@ import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 
 import torch  # noqa: E402
 
@@ -105,9 +105,9 @@ def tensors(state, prefix: str = ""):
 
 def load_weights_only(path: Path):
     """A DeepSpeed checkpoint file, unpickling nothing but tensors and DeepSpeed's allow-listed classes."""
-    from common.tools.export import _deepspeed_pickle_classes
+    from common.tools.zero_files import deepspeed_pickle_classes
 
-    with torch.serialization.safe_globals(_deepspeed_pickle_classes()):
+    with torch.serialization.safe_globals(deepspeed_pickle_classes()):
         return torch.load(path, map_location="cpu", weights_only=True)
 
 

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 
 from bench._bench_util import DOC, REPO, add_results_options, launch_group, render_from_file, save_and_publish  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402

@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
-from _bench_util import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
+from bench._bench_util import (  # noqa: E402
     REPO,
     bench_env,
     launch_group,
@@ -53,7 +53,6 @@ from _bench_util import (  # noqa: E402
     table_head,
     write_results,
 )
-
 from common.errors import ConfigError, exit_on_user_error, nearest  # noqa: E402
 from common.rundir import read_metrics  # noqa: E402
 from common.tools.doctor import pcie_text  # noqa: E402

@@ -30,8 +30,10 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
-from _bench_util import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
+from overhead import WARMUP, step_figures  # noqa: E402
+
+from bench._bench_util import (  # noqa: E402
     environment,
     launch_group,
     load_document,
@@ -42,8 +44,6 @@ from _bench_util import (  # noqa: E402
     table_head,
     write_results,
 )
-from overhead import WARMUP, step_figures  # noqa: E402
-
 from common.errors import nearest  # noqa: E402
 from common.hang import POLL_S, SWITCH_ENV  # noqa: E402
 from common.presets import PRESET_NAMES  # noqa: E402

@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
-from _bench_util import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
+from bench._bench_util import (  # noqa: E402
     REPO,
     bench_env,
     free_port,
@@ -35,7 +35,6 @@ from _bench_util import (  # noqa: E402
     table_head,
     write_results,
 )
-
 from common.errors import exit_on_user_error  # noqa: E402
 from common.memory_formulas import facts_from_model_config, transformer_activations  # noqa: E402
 from common.tools import memory  # noqa: E402

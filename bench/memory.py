@@ -28,9 +28,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
-from _bench_util import DOC, REPO, launch_group, load_document, publish_sections, table_head, write_results  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
+from bench._bench_util import DOC, REPO, launch_group, load_document, publish_sections, table_head, write_results  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 from common.memory_formulas import facts_from_hf_config  # noqa: E402
 from common.tools.memory import PlanInputs, plan  # noqa: E402

@@ -46,8 +46,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
-from _bench_util import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
+from bench._bench_util import (  # noqa: E402
     bench_env,
     load_document,
     median,
@@ -56,7 +56,6 @@ from _bench_util import (  # noqa: E402
     table_head,
     write_results,
 )
-
 from common.errors import ConfigError, exit_on_user_error  # noqa: E402
 from common.memory_formulas import parse_bytes  # noqa: E402
 from common.presets import get_preset  # noqa: E402

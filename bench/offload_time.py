@@ -37,9 +37,11 @@ from pathlib import Path
 from statistics import mean
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 import torch  # noqa: E402
-from _bench_util import (  # noqa: E402
+from nvme_io import measure_node  # noqa: E402
+
+from bench._bench_util import (  # noqa: E402
     launch_group,
     load_document,
     median,
@@ -48,8 +50,6 @@ from _bench_util import (  # noqa: E402
     table_head,
     write_results,
 )
-from nvme_io import measure_node  # noqa: E402
-
 from common.errors import exit_on_user_error  # noqa: E402
 from common.memory_formulas import link_seconds, offload_traffic  # noqa: E402
 from common.presets import get_preset  # noqa: E402

@@ -47,8 +47,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
-from _bench_util import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
+from bench._bench_util import (  # noqa: E402
     environment,
     launch_group,
     load_document,
@@ -59,7 +59,6 @@ from _bench_util import (  # noqa: E402
     table_head,
     write_results,
 )
-
 from common.errors import nearest  # noqa: E402
 from common.host_memory import SWITCH_ENV as KEEP_FREED_MEMORY_ENV  # noqa: E402
 from common.presets import PRESET_NAMES  # noqa: E402

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 
 from bench._bench_util import (  # noqa: E402
     REPO,

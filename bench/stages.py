@@ -24,8 +24,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
-from _bench_util import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
+from bench._bench_util import (  # noqa: E402
     DOC,
     REPO,
     launch_group,
@@ -36,7 +36,6 @@ from _bench_util import (  # noqa: E402
     table_head,
     write_results,
 )
-
 from common.errors import ConfigError, exit_on_user_error, nearest  # noqa: E402
 from common.presets import PRESET_NAMES, get_preset  # noqa: E402
 from common.tools.probe import last_error_line  # noqa: E402  (the probe's: skips the launcher's summary lines)

@@ -218,6 +218,13 @@ def set_cpu_threads(local_processes: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_processes)))
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for ``MASTER_PORT``, ``--master_port``, ``--main_process_port``)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def refuse_file_as_out_dir(out_dir: str | Path, name: str = "out_dir") -> None:
     """Refuse an ``out_dir`` that is an existing file (or sits below one): a run directory must be a folder.
 
@@ -234,12 +241,28 @@ def refuse_file_as_out_dir(out_dir: str | Path, name: str = "out_dir") -> None:
             raise ConfigError(f"{name} {path} {where} a file, not a folder; choose another {name}")
 
 
-def refuse_existing_out_dir(out_dir: str | Path, resume: bool, overwrite: bool) -> None:
-    """Refuse an existing run directory before anything is read or written (prepare_run_dir acts later)."""
+RUN_DIR_REMEDY = "pass overwrite=true to replace it, resume=true to continue it, or choose another out_dir"
+
+
+def refuse_existing_out_dir(
+    out_dir: str | Path, resume: bool, overwrite: bool, name: str = "out_dir", remedy: str = RUN_DIR_REMEDY
+) -> None:
+    """Refuse an output folder that is a file, or exists and is not empty, before anything is read or written.
+
+    A recipe calls it first thing (:func:`prepare_run_dir` acts later); ``zero-recipes export`` calls it before
+    it opens the checkpoint (it replaces the folder only once the export has succeeded).
+
+    Args:
+        out_dir: the folder about to be written.
+        resume: the run continues in it (a recipe's ``resume=true``).
+        overwrite: the folder may be replaced.
+        name: how the user gave the folder (``out_dir``, ``OUT_DIR``), for the message.
+        remedy: what the message tells the user to do about a non-empty folder.
+
+    Raises:
+        ConfigError: ``out_dir`` is a file (or below one), or is not empty without ``resume`` or ``overwrite``.
+    """
     path = Path(out_dir)
-    refuse_file_as_out_dir(path)
+    refuse_file_as_out_dir(path, name)
     if not resume and not overwrite and path.exists() and any(path.iterdir()):
-        raise ConfigError(
-            f"out_dir {path} already exists and is not empty; pass overwrite=true to replace it, "
-            "resume=true to continue it, or choose another out_dir"
-        )
+        raise ConfigError(f"{name} {path} already exists and is not empty; {remedy}")

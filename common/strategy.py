@@ -21,8 +21,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import shutil
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +28,8 @@ from typing import Any
 
 from common.errors import ConfigError, nearest
 from common.host_memory import keep_freed_memory
-from common.memory_formulas import MIN_SWAPPED_BYTES, nvme_swapped_bytes_per_rank, swap_threshold_bytes
+from common.memory_formulas import MIN_SWAPPED_BYTES, swap_threshold_bytes
+from common.nvme_storage import check_nvme_storage, nvme_sections
 from common.presets import FROM_LAYOUT, FROM_MODEL, get_preset
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -282,68 +281,9 @@ def _check_aio(aio: Any) -> None:
             raise ConfigError(f"aio.{key} must be true or false, got {value!r}")
 
 
-def async_io_problem() -> str | None:
-    """Why DeepSpeed's async I/O op (NVMe offload) cannot be built here, or None when it can.
-
-    DeepSpeed compiles the op on first use and links it against libaio; ``AsyncIOBuilder.is_compatible``
-    compiles and links a test program calling ``io_submit`` (honouring ``CC``, ``CFLAGS`` and ``LDFLAGS``).
-    Without this check a missing libaio surfaces as a compiler error deep inside ``deepspeed.initialize``.
-    """
-    import contextlib
-    import sys
-
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time log must not reach a JSON stdout
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        compatible = AsyncIOBuilder().is_compatible(verbose=False)
-    if compatible:
-        return None
-    return (
-        "DeepSpeed's async I/O op cannot be built: libaio's header and library were not found (or no C compiler "
-        "works); install them with `apt-get install libaio-dev` (Debian/Ubuntu) or `yum install libaio-devel`, "
-        "or set CFLAGS/LDFLAGS to where libaio is"
-    )
-
-
-def _nvme_sections(zero: dict[str, Any]) -> list[str]:
-    return [s for s in ("offload_optimizer", "offload_param") if (zero.get(s) or {}).get("device") == "nvme"]
-
-
-def _check_nvme_folder(path: str, zero: dict[str, Any], facts: RunFacts, precision: str) -> None:
-    """The folder exists, is a writable directory and has room for what this node's ranks swap; reads only."""
-    where = f"nvme_path {path!r}"
-    if not os.path.exists(path):
-        raise ConfigError(
-            f"{where} does not exist: create it on the local NVMe drive first (DeepSpeed would create a missing "
-            "folder wherever the path points, e.g. on the root disk after a typo)"
-        )
-    if not os.path.isdir(path):
-        raise ConfigError(f"{where} is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{where} is not writable by this user: DeepSpeed writes its swap files there")
-    ranks_here = facts.devices_per_node or facts.world_size
-    if facts.num_params:
-        per_rank = nvme_swapped_bytes_per_rank(
-            facts.num_params,
-            facts.world_size,
-            precision,
-            params_on_nvme="offload_param" in _nvme_sections(zero),
-            optimizer_on_nvme="offload_optimizer" in _nvme_sections(zero) and zero.get("stage") == 3,
-        )
-        needed, what = ranks_here * per_rank, f"the swapped states of {facts.num_params:,} parameters"
-    else:
-        needed, what = ranks_here * MIN_SWAPPED_BYTES, "one swapped tensor per rank"
-    free = shutil.disk_usage(path).free
-    if free < needed:
-        raise ConfigError(
-            f"{where} has {free / 1e9:.3g} GB free, less than {needed / 1e9:.3g} GB for {what} on {ranks_here} "
-            "rank(s) of this node: free space there or point nvme_path at a larger drive"
-        )
-
-
 def _check_offload_paths(zero: dict[str, Any], nvme_path: str | None) -> None:
     """Fill each NVMe section's ``nvme_path`` from the run facts; one is required."""
-    for section in _nvme_sections(zero):
+    for section in nvme_sections(zero):
         offload = zero[section]
         offload["nvme_path"] = offload.get("nvme_path") or nvme_path
         if not offload["nvme_path"]:
@@ -351,20 +291,6 @@ def _check_offload_paths(zero: dict[str, Any], nvme_path: str | None) -> None:
                 f"zero_optimization.{section}: NVMe offload needs a path; pass nvme_path=/local/nvme "
                 f"(or --set zero_optimization.{section}.nvme_path=/local/nvme)"
             )
-
-
-def _check_nvme_storage(zero: dict[str, Any], facts: RunFacts, precision: str) -> None:
-    """On this machine: every NVMe folder usable (:func:`_check_nvme_folder`) and DeepSpeed's async I/O op buildable.
-
-    Nothing is created or written: a run refused here leaves no file behind.
-    """
-    if not facts.check_storage or not _nvme_sections(zero):
-        return
-    for path in dict.fromkeys(str(zero[s]["nvme_path"]) for s in _nvme_sections(zero)):
-        _check_nvme_folder(path, zero, facts, precision)
-    problem = async_io_problem()
-    if problem:
-        raise ConfigError(f"NVMe offload: {problem}")
 
 
 def _validate(config: dict[str, Any], preset_name: str, forbid_fp16: bool) -> None:
@@ -458,7 +384,10 @@ def resolve_deepspeed_config(
         _check_aio(config["aio"])
     _check_offload_paths(zero, facts.nvme_path)
     _validate(config, name, bool(spec.get("forbid_fp16")))
-    _check_nvme_storage(zero, facts, precision_of(config))
+    if facts.check_storage:
+        check_nvme_storage(
+            zero, precision_of(config), facts.num_params, facts.world_size, facts.devices_per_node or facts.world_size
+        )
     return config
 
 

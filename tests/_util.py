@@ -6,10 +6,11 @@ import importlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from common.rundir import free_port  # noqa: F401  (the tests import it from here)
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -21,13 +22,6 @@ def recipe_module(folder: Path, name: str):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     return importlib.import_module(name)
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for MASTER_PORT / --main_process_port)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

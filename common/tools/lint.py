@@ -22,7 +22,6 @@ from common.lint import (
     SEVERITY_ORDER,
     Finding,
     LintView,
-    _available_host_ram,
     _local_memory,
     _world_from_ds,
     has_errors,
@@ -30,7 +29,8 @@ from common.lint import (
     print_findings,
     run_rules,
 )
-from common.memory_formulas import facts_from_hf_config, local_device_memory, parse_bytes, parse_count
+from common.machine import available_host_ram, local_device_memory
+from common.memory_formulas import facts_from_hf_config, parse_bytes, parse_count
 from common.strategy import RunFacts, resolve_deepspeed_config
 from common.tools.recipes import REPO_ROOT, describe, find_recipe, recipe_of_config
 
@@ -228,7 +228,7 @@ def lint_file(
     view.num_params = view.num_params or num_params
     view.model = view.model or model
     view.versions = installed_versions() if versions is None else versions
-    view.host_ram_bytes = _available_host_ram()
+    view.host_ram_bytes = available_host_ram()
     view.device_memory_bytes = device_memory_bytes
     # A file may be meant for another machine: without --gpu-memory, a bucket is checked against this machine's
     # whole device (or whole host RAM on a CPU), the bound that no rank of it can exceed.

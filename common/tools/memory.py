@@ -63,6 +63,7 @@ from typing import Any
 
 from common.activation import check_preset
 from common.errors import ConfigError
+from common.machine import host_memory, local_device_memory
 from common.memory_formulas import (
     ATTENTIONS,
     GB,
@@ -78,9 +79,7 @@ from common.memory_formulas import (
     deepspeed_estimate,
     facts_from_hf_config,
     fmt_gb,
-    host_memory,
     link_seconds_range,
-    local_device_memory,
     lora_params,
     offload_traffic,
     parse_bandwidths,

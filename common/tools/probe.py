@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -43,9 +42,11 @@ from tqdm import tqdm
 from common.activation import check_preset
 from common.describe import RecipeDescription
 from common.errors import ConfigError, nearest
-from common.memory_formulas import GUIDE_BANDWIDTH_GBPS, local_device_memory, parse_bandwidths
+from common.machine import local_device_memory
+from common.memory_formulas import GUIDE_BANDWIDTH_GBPS, parse_bandwidths
 from common.parallel import check_sequence_parallel
 from common.presets import PRESET_NAMES, get_preset
+from common.rundir import free_port
 from common.strategy import write_accelerate_files
 from common.tools.comms_log import comms_log_env
 from common.tools.options import refuse_outside_mode
@@ -138,14 +139,8 @@ def last_error_line(text: str) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _child_env() -> dict[str, str]:
-    return recipe_env(MASTER_PORT=str(_free_port()))
+    return recipe_env(MASTER_PORT=str(free_port()))
 
 
 def candidate_config(
@@ -190,7 +185,7 @@ def candidate_command(
         "--num_processes",
         str(devices),
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
     ]
     launch += ["--config_file", str(launch_config)] if launch_config else ["--use_deepspeed"]
     return [*launch, str(script), *keys]

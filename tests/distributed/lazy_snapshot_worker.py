@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common.async_checkpoint import AsyncCheckpointer, Checkpointer
-from common.tools.export import _deepspeed_pickle_classes
+from common.tools.zero_files import deepspeed_pickle_classes
 
 STAGES = (2, 3)
 
@@ -69,7 +69,7 @@ def compare(reference: Path, candidate: Path) -> tuple[int, list[str]]:
     """How many tensors the reference checkpoint's files hold, and which differ in the candidate's (or are missing)."""
     compared, differing = 0, []
     for path in sorted(reference.rglob("*.pt")):
-        with torch.serialization.safe_globals(_deepspeed_pickle_classes()):
+        with torch.serialization.safe_globals(deepspeed_pickle_classes()):
             expected = tensors(torch.load(path, weights_only=True))
             actual = tensors(torch.load(candidate / path.relative_to(reference), weights_only=True))
         for key, tensor in expected.items():

@@ -42,7 +42,7 @@ def test_the_linter_calls_an_error_exactly_the_zenflow_run_deepspeed_refuses(tmp
     command = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port())]
     run([*command, WORKER, "--config", path, "--out", out, *(["--client-optimizer"] if client_optimizer else [])])
     record = json.loads(out.read_text())
-    severities = [f.severity for f in lint.rule_zenflow(LintView(ds_config=config))]
+    severities = [f.severity for f in lint.offload.rule_zenflow(LintView(ds_config=config))]
     if client_optimizer:
         assert not record["trained"] and "must be a mapping, not NoneType" in record["error"], record
         assert severities == ["error"]

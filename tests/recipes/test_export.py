@@ -285,10 +285,10 @@ def test_refuses_a_corrupt_shard_and_names_it(checkpoint_copy, tmp_path, capsys)
 
 
 def test_refuses_a_checkpoint_from_a_newer_deepspeed(checkpoint_copy, tmp_path, capsys):
-    from common.tools.export import _deepspeed_pickle_classes
+    from common.tools.zero_files import deepspeed_pickle_classes
 
     states = sorted((checkpoint_copy / "pytorch_model").glob("*_model_states.pt"))
-    with torch.serialization.safe_globals(_deepspeed_pickle_classes()):
+    with torch.serialization.safe_globals(deepspeed_pickle_classes()):
         saved = torch.load(states[0], weights_only=True)
     saved["ds_version"] = "99.0.0"
     torch.save(saved, states[0])

@@ -97,7 +97,7 @@ def test_snapshot_copies_every_tensor_compactly_and_keeps_container_types():
 def test_the_loss_scaler_is_written_as_it_was_at_the_save_not_as_the_next_steps_left_it(tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from common.tools.export import _deepspeed_pickle_classes
+    from common.tools.zero_files import deepspeed_pickle_classes
 
     scaler = DynamicLossScaler(2.0**16, 2, 1.0, 2, False)  # a scale window of 2: the scale doubles every 2 steps
     for _ in range(3):
@@ -114,7 +114,7 @@ def test_the_loss_scaler_is_written_as_it_was_at_the_save_not_as_the_next_steps_
     rank1.finish()
     rank0.finish()
     latest = latest_checkpoint(tmp_path)
-    with torch.serialization.safe_globals(_deepspeed_pickle_classes()):
+    with torch.serialization.safe_globals(deepspeed_pickle_classes()):
         for rank in (0, 1):
             saved = torch.load(latest / f"rank{rank}_states.pt", weights_only=True)["loss_scaler"]
             assert (saved.cur_iter, saved.cur_scale) == at_save

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 TROUBLESHOOTING = REPO / "docs" / "troubleshooting.md"
 DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
 FENCED = re.compile(r"^```.*?^```", re.M | re.S)
-# Findings lint reports outside RULES (common/lint.py: the config could not be read or sized).
+# Findings lint reports outside RULES (common/lint/: the config could not be read or sized).
 EXTRA_FINDINGS = {"config-invalid", "config-not-found", "model-facts"}
 
 
@@ -80,7 +80,7 @@ def test_every_rule_cited_in_troubleshooting_exists_in_lint():
     cited = cited_rules(TROUBLESHOOTING.read_text())
     assert len(cited) >= 10, cited  # the tables were parsed
     unknown = cited - set(RULES) - EXTRA_FINDINGS
-    assert not unknown, f"docs/troubleshooting.md cites rules that common/lint.py does not have: {sorted(unknown)}"
+    assert not unknown, f"docs/troubleshooting.md cites rules that common/lint/ does not have: {sorted(unknown)}"
 
 
 def test_every_lint_rule_has_a_row_with_its_fix_in_troubleshooting():

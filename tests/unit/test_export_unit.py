@@ -14,19 +14,21 @@ import torch
 
 from common.errors import ConfigError
 from common.tools.export import (
-    JoinedSource,
-    TensorSource,
-    check_out_dir,
+    export_checkpoint,
     join_slices,
-    load_structure,
     locate,
     parse_size,
     plan_shards,
     reference_prefix,
-    span_pieces,
     strip_prefix,
     tensor_difference,
     verify_failures,
+)
+from common.tools.zero_files import (
+    JoinedSource,
+    TensorSource,
+    load_structure,
+    span_pieces,
     zero3_layout,
     zero12_layout,
 )
@@ -124,14 +126,15 @@ def test_strip_prefix_finds_the_lightning_wrapper_and_refuses_a_foreign_model():
 
 
 def test_out_dir_refusal_and_not_a_checkpoint(tmp_path):
-    check_out_dir(tmp_path / "absent", overwrite=False)
     (tmp_path / "empty").mkdir()
-    check_out_dir(tmp_path / "empty", overwrite=False)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
-    with pytest.raises(ConfigError, match="not empty: pass --overwrite"):
-        check_out_dir(tmp_path / "full", overwrite=False)
-    check_out_dir(tmp_path / "full", overwrite=True)
+    with pytest.raises(ConfigError, match="OUT_DIR .*full already exists and is not empty; pass --overwrite"):
+        export_checkpoint(tmp_path / "absent", tmp_path / "full")
+    # An absent or empty folder, or a full one with overwrite, passes: the export stops at the missing checkpoint.
+    for out_dir, overwrite in (("absent_out", False), ("empty", False), ("full", True)):
+        with pytest.raises(ConfigError, match="does not exist"):
+            export_checkpoint(tmp_path / "absent", tmp_path / out_dir, overwrite=overwrite)
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
     with pytest.raises(ConfigError, match="not a DeepSpeed ZeRO checkpoint: expected a run directory"):
         locate(tmp_path / "full")

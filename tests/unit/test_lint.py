@@ -200,7 +200,9 @@ def test_stage3_needs_checkpointing_counts_the_ranks_share_of_a_sequence_paralle
 
     def fires(**recipe) -> bool:
         view = replace(base, recipe_config={**base.recipe_config, **recipe}, world_size=4)
-        return "stage3-needs-checkpointing" in [f.rule_id for f in lint.rule_stage3_needs_checkpointing(view)]
+        return "stage3-needs-checkpointing" in [
+            f.rule_id for f in lint.checkpoints.rule_stage3_needs_checkpointing(view)
+        ]
 
     assert fires() and fires(sequence_parallel=4, micro_batch_size=128)
     assert not fires(sequence_parallel=4)
@@ -214,11 +216,11 @@ def test_bucket_size_respects_the_presets_scaling():
         hidden_size=256,
         source_kind="deepspeed",
     )
-    assert lint.rule_bucket_size(small_model) == []  # 32 x 256^2: what the presets give a 256-wide model
+    assert lint.memory.rule_bucket_size(small_model) == []  # 32 x 256^2: what the presets give a 256-wide model
     big_model = LintView(ds_config=ds(2, reduce_bucket_size=2e7, allgather_bucket_size=2e7), hidden_size=4096)
-    assert [f.severity for f in lint.rule_bucket_size(big_model)] == ["warning"]
+    assert [f.severity for f in lint.memory.rule_bucket_size(big_model)] == ["warning"]
     unknown = LintView(ds_config=ds(2, reduce_bucket_size=2e7), source_kind="deepspeed")
-    assert [f.severity for f in lint.rule_bucket_size(unknown)] == ["info"]
+    assert [f.severity for f in lint.memory.rule_bucket_size(unknown)] == ["info"]
 
 
 @pytest.mark.parametrize(("precision", "bytes_per_element"), [("bf16", 2), ("fp32", 4)], ids=["bf16", "fp32"])
@@ -230,18 +232,18 @@ def test_stage3_bucket_is_an_error_exactly_when_its_bytes_exceed_the_device(prec
         if precision == "fp32":
             config["bf16"] = {"enabled": False}
         view = LintView(ds_config=config, device_memory_bytes=device)
-        assert [f.severity for f in lint.rule_stage3_bucket_exceeds_memory(view)] == expected, elements
+        assert [f.severity for f in lint.memory.rule_stage3_bucket_exceeds_memory(view)] == expected, elements
     # Stages 1-2 do not preallocate it (measured for stage 3 only: docs/design.md); above 2e9 stays a warning there.
     stage2 = LintView(ds_config=ds(2, reduce_bucket_size=5e12), device_memory_bytes=device)
-    assert lint.rule_stage3_bucket_exceeds_memory(stage2) == []
-    assert [f.severity for f in lint.rule_bucket_size(stage2)] == ["warning"]
+    assert lint.memory.rule_stage3_bucket_exceeds_memory(stage2) == []
+    assert [f.severity for f in lint.memory.rule_bucket_size(stage2)] == ["warning"]
 
 
 def test_stage3_bucket_on_a_cpu_is_checked_against_host_ram():
     host = LintView(ds_config=ds(3, reduce_bucket_size=5e12), local_memory=(16e9, "no GPU: host RAM"))
-    assert [f.severity for f in lint.rule_stage3_bucket_exceeds_memory(host)] == ["error"]
+    assert [f.severity for f in lint.memory.rule_stage3_bucket_exceeds_memory(host)] == ["error"]
     guide_max = LintView(ds_config=ds(3, reduce_bucket_size=2e9), local_memory=(16e9, "no GPU: host RAM"))
-    assert lint.rule_stage3_bucket_exceeds_memory(guide_max) == []  # 4 GB of 16: fits
+    assert lint.memory.rule_stage3_bucket_exceeds_memory(guide_max) == []  # 4 GB of 16: fits
     # Between the guide's 2e9 and the memory: a warning, not an error.
     above_guide = LintView(ds_config=ds(3, reduce_bucket_size=3e9), local_memory=(16e9, "no GPU: host RAM"))
     findings = lint.run_rules(above_guide)
@@ -259,10 +261,10 @@ def test_cli_refuses_a_stage3_bucket_beyond_this_machine(tmp_path):
 
 def test_auto_under_accelerate_is_only_an_error_for_keys_it_does_not_fill():
     filled = LintView(ds_config={**ds(2), "train_micro_batch_size_per_gpu": "auto"}, backend="accelerate")
-    assert [f.severity for f in lint.rule_auto_values(filled)] == ["info"]
+    assert [f.severity for f in lint.frontends.rule_auto_values(filled)] == ["info"]
     unfilled = LintView(ds_config=ds(2, sub_group_size="auto"), backend="accelerate")
-    assert [f.severity for f in lint.rule_auto_values(unfilled)] == ["error"]
-    assert lint.rule_auto_values(LintView(ds_config=ds(2, sub_group_size="auto"), backend="hf_trainer")) == []
+    assert [f.severity for f in lint.frontends.rule_auto_values(unfilled)] == ["error"]
+    assert lint.frontends.rule_auto_values(LintView(ds_config=ds(2, sub_group_size="auto"), backend="hf_trainer")) == []
 
 
 @pytest.mark.parametrize("preset", PRESET_NAMES)
@@ -352,12 +354,14 @@ def test_cli_exit_codes_and_json(tmp_path):
 def test_zeropp_quantized_is_an_error_only_where_the_run_has_no_gpu():
     zero = ds(3, zero_quantized_weights=True, zero_quantized_gradients=True)
     severities = {
-        accelerator: [f.severity for f in lint.rule_zeropp_quantized_needs_gpu(LintView(zero, accelerator=accelerator))]
+        accelerator: [
+            f.severity for f in lint.parallel.rule_zeropp_quantized_needs_gpu(LintView(zero, accelerator=accelerator))
+        ]
         for accelerator in ("cpu", "cuda", None)
     }
     assert severities == {"cpu": ["error"], "cuda": [], None: ["info"]}  # None: a file, maybe for a GPU cluster
     hpz_only = ds(3, zero_hpz_partition_size=2, zero_quantized_weights=False, zero_quantized_gradients=False)
-    assert lint.rule_zeropp_quantized_needs_gpu(LintView(hpz_only, accelerator="cpu")) == []
+    assert lint.parallel.rule_zeropp_quantized_needs_gpu(LintView(hpz_only, accelerator="cpu")) == []
 
 
 @pytest.mark.parametrize(
@@ -366,37 +370,37 @@ def test_zeropp_quantized_is_an_error_only_where_the_run_has_no_gpu():
 )
 def test_hpz_partition_checks_the_layout(hpz, stage, world_size, severity):
     view = LintView(ds(stage, zero_hpz_partition_size=hpz), world_size=world_size)
-    assert [f.severity for f in lint.rule_hpz_partition(view)] == ([severity] if severity else [])
+    assert [f.severity for f in lint.parallel.rule_hpz_partition(view)] == ([severity] if severity else [])
 
 
 def test_nvme_partitions_just_at_the_swap_threshold_are_swapped():
     """1 MiB exactly is swapped (DeepSpeed: min_aio_bytes <= bytes); a larger aio.block_size raises the bar."""
     at_threshold = ModelFacts(num_params=2**20, param_numels=(2**20,))  # bf16 on 2 ranks: 2**19 x 2 B = 1 MiB
     view = LintView(ds_config=ds(3, **NVME_ZERO), model=at_threshold, world_size=2)
-    assert lint.rule_nvme_small_partitions(view) == []
+    assert lint.offload.rule_nvme_small_partitions(view) == []
     view.ds_config = {**view.ds_config, "aio": {"block_size": 2**21}}
-    assert [f.rule_id for f in lint.rule_nvme_small_partitions(view)] == ["nvme-small-partitions"]
+    assert [f.rule_id for f in lint.offload.rule_nvme_small_partitions(view)] == ["nvme-small-partitions"]
 
 
 def test_nvme_sub_groups_just_at_the_swap_threshold_are_swapped():
     """262144 fp32 elements are 1 MiB exactly: swapped; one fewer is not; a larger aio.block_size raises the bar."""
     optimizer = {"device": "nvme", "nvme_path": "/nvme"}
     view = LintView(ds_config=ds(3, offload_optimizer=optimizer, sub_group_size=262_144))
-    assert lint.rule_nvme_small_sub_groups(view) == []
+    assert lint.offload.rule_nvme_small_sub_groups(view) == []
     view = LintView(ds_config=ds(3, offload_optimizer=optimizer, sub_group_size=262_143))
-    assert [f.severity for f in lint.rule_nvme_small_sub_groups(view)] == ["warning"]
+    assert [f.severity for f in lint.offload.rule_nvme_small_sub_groups(view)] == ["warning"]
     view = LintView(
         ds_config={**ds(3, offload_optimizer=optimizer, sub_group_size=262_144), "aio": {"block_size": 2**21}}
     )
-    assert [f.rule_id for f in lint.rule_nvme_small_sub_groups(view)] == ["nvme-small-sub-groups"]
+    assert [f.rule_id for f in lint.offload.rule_nvme_small_sub_groups(view)] == ["nvme-small-sub-groups"]
 
 
 def test_nvme_param_buffer_holds_the_largest_partition_exactly():
     model = ModelFacts(num_params=2_000_000, param_numels=(2_000_000,))
     fits = LintView(ds_config=ds(3, **NVME_ZERO), model=model, world_size=2)  # 1e6-element partition, 1e6 buffer
-    assert lint.rule_nvme_param_buffer(fits) == []
+    assert lint.offload.rule_nvme_param_buffer(fits) == []
     fits.world_size = 1
-    assert [f.severity for f in lint.rule_nvme_param_buffer(fits)] == ["error"]
+    assert [f.severity for f in lint.offload.rule_nvme_param_buffer(fits)] == ["error"]
 
 
 @pytest.mark.parametrize(
@@ -411,9 +415,9 @@ def test_nvme_param_buffer_holds_the_largest_partition_exactly():
 def test_zenflow_combinations(zenflow, offload, severity):
     config = ds(2, zenflow=zenflow, offload_optimizer={"device": offload}, overlap_comm=True)
     view = LintView({**config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
-    assert [f.severity for f in lint.rule_zenflow(view)] == [severity]
+    assert [f.severity for f in lint.offload.rule_zenflow(view)] == [severity]
     # Without DeepSpeed's optimizer section every one fails at initialize (tests/distributed/test_zenflow.py).
-    assert [f.severity for f in lint.rule_zenflow(LintView(config))] == ["error"]
+    assert [f.severity for f in lint.offload.rule_zenflow(LintView(config))] == ["error"]
 
 
 @pytest.mark.parametrize(
@@ -428,7 +432,7 @@ def test_zenflow_combinations(zenflow, offload, severity):
 )
 def test_bf16_optimizer_states_follows_deepspeeds_asserts(bf16, offload, severity):
     config = {**ds(2, offload_optimizer={"device": offload}), "bf16": {"enabled": True, **bf16}}
-    assert [f.severity for f in lint.rule_bf16_optimizer_states(LintView(config))] == [severity]
+    assert [f.severity for f in lint.precision.rule_bf16_optimizer_states(LintView(config))] == [severity]
 
 
 def test_the_factory_and_the_aio_rule_agree_on_deepspeeds_keys():

@@ -14,7 +14,8 @@ import pytest
 from deepspeed.runtime import config as ds_config_module
 from packaging.version import Version
 
-from common.lint import REMOVED_DEEPSPEED_KEYS, LintView, _has_removed_key, run_rules
+from common.lint import LintView, run_rules
+from common.lint.versions import REMOVED_DEEPSPEED_KEYS, _has_removed_key
 
 INSTALLED = metadata.version("deepspeed")
 BASE = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1}
@@ -33,7 +34,7 @@ EXAMPLE_VALUES = {
 
 
 def config_with(key: str) -> dict:
-    """The smallest DeepSpeed dict that holds the removed ``key`` (:attr:`common.lint.RemovedKey.key`)."""
+    """The smallest DeepSpeed dict that holds the removed ``key`` (:attr:`common.lint.versions.RemovedKey.key`)."""
     path, _, optimizer = key.partition("=")
     if optimizer:
         return {**BASE, "optimizer": {"type": optimizer, "params": {"lr": 1e-3}}}

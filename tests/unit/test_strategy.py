@@ -16,16 +16,16 @@ import pytest
 import yaml
 from golden.regenerate import FACTS, GOLDEN
 
-from common import lint, strategy
+from common import lint, nvme_storage, strategy
 from common.errors import ConfigError
 from common.lint import LintView
 from common.memory_formulas import nvme_swapped_bytes_per_rank
+from common.nvme_storage import async_io_problem
 from common.presets import PRESETS
 from common.strategy import (
     RunFacts,
     accelerate_plugin,
     accelerator_kwargs,
-    async_io_problem,
     bucket_elements,
     hpz_partition_size,
     lightning_strategy_config,
@@ -283,7 +283,7 @@ def test_nvme_path_not_writable_is_refused(tmp_path, monkeypatch):
     folder.chmod(0o555)
     if os.geteuid() == 0:  # permission bits do not bind root: ask what they say for the owner
         monkeypatch.setattr(
-            strategy.os, "access", lambda p, mode: not mode & os.W_OK or bool(os.stat(p).st_mode & 0o200)
+            nvme_storage.os, "access", lambda p, mode: not mode & os.W_OK or bool(os.stat(p).st_mode & 0o200)
         )
     try:
         with pytest.raises(ConfigError, match="is not writable"):
@@ -296,11 +296,11 @@ def test_nvme_path_not_writable_is_refused(tmp_path, monkeypatch):
 def test_nvme_path_on_a_full_disk_is_refused(tmp_path, monkeypatch):
     """Simulated: shutil.disk_usage reports what a full (or too small) drive reports."""
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(strategy.shutil, "disk_usage", lambda _: usage._replace(free=0))
+    monkeypatch.setattr(nvme_storage.shutil, "disk_usage", lambda _: usage._replace(free=0))
     with pytest.raises(ConfigError, match="0 GB free, less than .* one swapped tensor per rank"):
         resolve_deepspeed_config(NVME, nvme_facts(tmp_path))
     # With the model's size the need is the swapped states of every rank on the node (7B on 2 ranks: 126 GB).
-    monkeypatch.setattr(strategy.shutil, "disk_usage", lambda _: usage._replace(free=100e9))
+    monkeypatch.setattr(nvme_storage.shutil, "disk_usage", lambda _: usage._replace(free=100e9))
     need = 2 * nvme_swapped_bytes_per_rank(7_000_000_000, 2, "bf16", True, True)
     with pytest.raises(ConfigError, match=f"less than {need / 1e9:.3g} GB for the swapped states"):
         resolve_deepspeed_config(NVME, nvme_facts(tmp_path, num_params=7_000_000_000))
