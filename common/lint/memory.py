@@ -1,8 +1,12 @@
-"""Rules on device memory: bucket sizes, the stage-3 persistence threshold, partitioned optimizers, ZeRO in effect."""
+"""Rules on memory: bucket sizes, the stage-3 persistence threshold, partitioned optimizers, ZeRO in effect, and
+the host copy that asynchronous checkpoints keep."""
 
 from __future__ import annotations
 
+from common.lint.offload import _offload_host_bytes
 from common.lint.view import Finding, LintView, Rule, as_number
+from common.memory_formulas import fmt_gb
+from common.snapshot_memory import snapshot_bytes_per_node, snapshot_bytes_per_rank
 
 GUIDE_BUCKET_MIN = 5e8  # guide 2, 6: "reduce_bucket_size ... between 5e8 and 2e9"
 GUIDE_BUCKET_MAX = 2e9
@@ -213,6 +217,34 @@ def rule_zero_stage_missing(view: LintView) -> list[Finding]:
     ]
 
 
+def rule_async_save_host_memory(view: LintView) -> list[Finding]:
+    """``async_save`` keeps each rank's host copy of its checkpoint share for the run: check it against host RAM."""
+    if not view.recipe("async_save") or not view.num_params or view.host_ram_bytes is None:
+        return []
+    precision = view.precision if view.precision in ("bf16", "fp16", "fp32") else "bf16"
+    stage, ranks = view.stage, max(1, view.world_size)
+    partition = view.num_params / ranks if stage else view.num_params
+    writer, other = snapshot_bytes_per_rank(partition, view.num_params, stage, precision)
+    snapshot = snapshot_bytes_per_node(writer, other, view.ranks_per_node)
+    offloaded = _offload_host_bytes(view) if view.offload_device("offload_optimizer") == "cpu" else 0.0
+    need, have = snapshot + (offloaded or 0.0), view.host_ram_bytes
+    if need <= have:
+        return []
+    module = " + the module on the first rank" if stage < 3 else ""
+    beside = f" beside {fmt_gb(offloaded)} of offloaded states" if offloaded else ""
+    return [
+        Finding(
+            "async-save-host-memory",
+            "warning",
+            f"async_save keeps each rank's checkpoint share in host memory for the run: {fmt_gb(snapshot)} per node "
+            f"({view.ranks_per_node} rank(s); the optimizer partition, 12 B x {view.num_params:.3g} / {ranks}{module})"
+            f"{beside}, against {fmt_gb(have)} of host RAM",
+            "async_save: false (saves then block for the write), more nodes (the share per node falls with them), or "
+            "less offload; zero-recipes estimate --async-save shows the term per row",
+        )
+    ]
+
+
 RULES: dict[str, Rule] = {
     "persistence-threshold": rule_persistence_threshold,
     "bucket-size": rule_bucket_size,
@@ -220,4 +252,5 @@ RULES: dict[str, Rule] = {
     "stage3-bucket-exceeds-memory": rule_stage3_bucket_exceeds_memory,
     "optimizer-partition": rule_optimizer_partition,
     "zero-stage-missing": rule_zero_stage_missing,
+    "async-save-host-memory": rule_async_save_host_memory,
 }

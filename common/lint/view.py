@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.communication import Link
+
 SEVERITIES = ("error", "warning", "info")
 
 SOURCE_KINDS = ("recipe", "deepspeed", "accelerate", "run")
@@ -47,6 +49,7 @@ class LintView:
         path: the file linted, for messages.
         accelerator: ``cuda`` or ``cpu``: what the run has (a recipe linting itself); None when the config may be
             for another machine (a file), so that GPU-only features are reported as info, not as errors.
+        network: the link the data-parallel group crosses (``zero-recipes lint --network``), or None: not checked.
     """
 
     ds_config: dict[str, Any] | None
@@ -65,6 +68,7 @@ class LintView:
     accelerate_config: dict[str, Any] | None = None
     path: str | None = None
     accelerator: str | None = None
+    network: Link | None = None
 
     # --- small readers the rules share ---
 

@@ -37,6 +37,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from common.communication import BUS_FACTOR
 from common.errors import ConfigError, exit_on_user_error
 from common.hang import HANG_FOLDER, analyze, format_diagnosis, rank_line, read_reports
 from common.lint import RULES, LintView
@@ -430,12 +431,8 @@ def env_settings(environ: dict[str, str] | None = None) -> list[dict[str, str]]:
 
 # --- measured across ranks (--collectives) ----------------------------------------------------------------
 
-# nccl-tests' bus bandwidth: algorithm bandwidth (bytes / time) times the fraction every link must carry.
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-}
+# The collectives --collectives times: ZeRO's three (nccl-tests' bus factors from the communication account).
+MEASURED_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def bus_bandwidth(op: str, message_bytes: float, seconds: float, world_size: int) -> float:
@@ -548,7 +545,7 @@ def measure_collectives(sizes_bytes: list[int], iters: int) -> dict[str, Any]:
     world = dist.get_world_size()
     nodes = _node_of_each_rank()
     rows = []
-    for op in BUS_FACTOR:
+    for op in MEASURED_OPS:
         for size in sizes_bytes:
             seconds = _time_collective(op, size, iters, device)
             busbw = bus_bandwidth(op, size, seconds, world)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from common.communication import parse_link
 from common.config import parse_overrides, read_yaml
 from common.errors import ConfigError, InputMissing
 from common.lint import (
@@ -172,6 +173,9 @@ def lint_file(
     model: Any = None,
     versions: dict[str, str] | None = None,
     device_memory_bytes: float | None = None,
+    network: str | None = None,
+    nodes: int | None = None,
+    host_memory_bytes: float | None = None,
 ) -> list[Finding]:
     """Lint a recipe YAML, a DeepSpeed JSON or an accelerate YAML.
 
@@ -186,6 +190,10 @@ def lint_file(
         versions: installed versions (default: :func:`installed_versions`).
         device_memory_bytes: memory of one target device for the activation check (default: the local GPU's;
             without a GPU the check is skipped, since a config meant for GPUs says nothing about a laptop's RAM).
+        network: the link the data-parallel group crosses (``common.communication.parse_link``), for the network
+            rules; None skips them.
+        nodes: nodes the ranks are spread over (default: a DeepSpeed JSON's ranks on one node, a recipe's own).
+        host_memory_bytes: host RAM per node (default: what this machine has available).
     """
     path = Path(path)
     if not path.is_file():
@@ -228,8 +236,13 @@ def lint_file(
     view.num_params = view.num_params or num_params
     view.model = view.model or model
     view.versions = installed_versions() if versions is None else versions
-    view.host_ram_bytes = available_host_ram()
+    view.host_ram_bytes = available_host_ram() if host_memory_bytes is None else host_memory_bytes
     view.device_memory_bytes = device_memory_bytes
+    view.network = parse_link(network) if network else None
+    if nodes is not None:
+        if nodes < 1 or view.world_size % nodes:
+            raise ConfigError(f"--nodes must divide the {view.world_size} ranks of {path}, got {nodes}")
+        view.ranks_per_node = view.world_size // nodes
     # A file may be meant for another machine: without --gpu-memory, a bucket is checked against this machine's
     # whole device (or whole host RAM on a CPU), the bound that no rank of it can exceed.
     view.local_memory = _local_memory(1)
@@ -267,6 +280,14 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--gpu-memory", default=None, help="memory per device for the activation check, e.g. 80GB (default: local GPU)"
     )
+    p.add_argument(
+        "--network",
+        default=None,
+        help="the link the data-parallel group crosses (nvlink, pcie3/4/5, 25gbps/100gbps/400gbps or a figure such "
+        "as 12.5GB/s): stage 3 over a slow network, buckets out of scale with the link",
+    )
+    p.add_argument("--nodes", type=int, default=None, help="nodes the ranks of a DeepSpeed JSON are spread over")
+    p.add_argument("--host-memory", default=None, help="host RAM per node (default: what this machine has available)")
     p.add_argument("--json", action="store_true", help="print findings as JSON")
     p.set_defaults(func=cmd_lint)
 
@@ -282,6 +303,9 @@ def cmd_lint(args: Any) -> int:
         num_params=parse_count(args.params) if args.params else None,
         model=model,
         device_memory_bytes=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+        network=args.network,
+        nodes=args.nodes,
+        host_memory_bytes=parse_bytes(args.host_memory) if args.host_memory else None,
     )
     if args.json:
         print(

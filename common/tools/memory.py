@@ -57,6 +57,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -96,7 +97,18 @@ from common.parallel import (
     stage_refusal,
 )
 from common.presets import FROM_MODEL, get_preset
+from common.snapshot_memory import snapshot_bytes_per_node, snapshot_bytes_per_rank
 from common.strategy import bucket_elements, persistence_threshold
+from common.tools.estimate_network import (
+    NetworkInputs,
+    add_arguments,
+    fmt_comm,
+    network_from_args,
+    network_lines,
+    network_recommendation,
+    row_network,
+)
+from common.tools.estimate_sequence import longest_lines, longest_sequence, longest_summary
 from common.tools.options import refuse_outside_mode
 from common.tools.recipes import describe
 
@@ -150,6 +162,8 @@ class PlanInputs:
         pipeline_parallel: PP, pipeline stages (1: none).
         expert_parallel: EP, ranks splitting a MoE layer's experts (1: none).
         sequence_parallel: SP, ranks splitting each sequence (Ulysses; 1: none).
+        async_save: asynchronous checkpoints (``--async-save``, a recipe's ``async_save``): the host copy of each
+            rank's share of a checkpoint (:mod:`common.snapshot_memory`) joins the host RAM per node.
     """
 
     gpus_per_node: int = 1
@@ -171,6 +185,8 @@ class PlanInputs:
     expert_parallel: int = 1
     sequence_parallel: int = 1
     parallel_components: str = "any"  # "deepspeed": the recipe's own components run each degree (common.parallel)
+    async_save: bool = False  # asynchronous checkpoints: each rank's share of a checkpoint held in host RAM
+    network: NetworkInputs | None = None  # links and compute: communication seconds per step (estimate_network)
 
     @property
     def world_size(self) -> int:
@@ -219,6 +235,10 @@ class Row:
     slowest_link: str | None = None
     longest_seq_len: int | None = None
     longest_seq_len_without_sp: int | None = None
+    async_snapshot_bytes: float = 0.0  # with async_save: the largest rank's host copy of its checkpoint share
+    network: dict[str, Any] | None = (
+        None  # with --network / --bandwidth-from: communication per step (estimate_network)
+    )
 
 
 @dataclass
@@ -282,6 +302,17 @@ def _offload_time(facts: ModelFacts, stage: int, offload: str, inputs: PlanInput
     }
 
 
+def _async_snapshot(facts: ModelFacts, stage: int, inputs: PlanInputs) -> tuple[float, float]:
+    """(the largest rank's, the first node's) host bytes of an asynchronous checkpoint's copy (async_save)."""
+    layout = inputs.layout
+    trainable = lora_params(facts, inputs.lora_rank) if inputs.lora_rank else facts.num_params
+    module = float(sum(rank_params(facts, layout)))  # the rank's parameters (all of them without TP, PP or EP)
+    partition = rank_partition(facts, layout) if stage else module  # stage 0 shards nothing
+    writer, other = snapshot_bytes_per_rank(partition * trainable / facts.num_params, module, stage, inputs.precision)
+    writers = layout.tensor * layout.pipeline  # a data-parallel group's first rank each; TP innermost: on node 0
+    return writer, snapshot_bytes_per_node(writer, other, inputs.gpus_per_node, writers)
+
+
 # --- the plan -----------------------------------------------------------------------------------------
 
 
@@ -331,6 +362,8 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
             sharded = int(sum(rank_params(facts, layout))) - persistent_params(facts, threshold) // layout.pipeline
         buffers = buffer_bytes(stage, zero, inputs.precision, largest, bucket, sharded)
         host_node = host * inputs.gpus_per_node
+        snapshot, snapshot_node = _async_snapshot(facts, stage, inputs) if inputs.async_save else (0.0, 0.0)
+        host_node += snapshot_node
         host_ok = inputs.host_memory_bytes is None or host_node <= inputs.host_memory_bytes
         total = None if act_none is None else device + buffers + act_none
         total_ckpt = None if act_ckpt is None else device + buffers + act_ckpt
@@ -367,81 +400,23 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
                 fits_with=fits_with if fits else None,
                 note=note,
                 model_states_disk_bytes=disk,
+                async_snapshot_bytes=snapshot,
                 **_offload_time(facts, stage, offload, inputs),
             )
         )
         row = result.rows[-1]
+        if inputs.network is not None:
+            row.network = row_network(facts, inputs, inputs.network, stage, zero)
         if host_ok and refusal is None:
             row.longest_seq_len = longest_sequence(facts, inputs, base, sp)
             row.longest_seq_len_without_sp = longest_sequence(facts, inputs, base, 1) if sp > 1 else row.longest_seq_len
     result.recommendation = recommend(result)
+    result.recommendation = network_recommendation(result, recommend, plan, _rung_name)
     return result
 
 
-# --- the longest sequence that fits -------------------------------------------------------------------------
-
-SEQ_STEP = 1024  # the search's granularity: sequence lengths are multiples of it (and of SP)
-MAX_SEQ_LEN = 2**26  # 67M tokens: the search's ceiling
-
-
-def longest_sequence(facts: ModelFacts, inputs: PlanInputs, base_bytes: float, sequence_parallel: int) -> int | None:
-    """The longest sequence, a multiple of lcm(1024, SP) tokens, whose planner total fits in the usable memory.
-
-    ``base_bytes`` is a row's model states + buffers per rank (they do not depend on the sequence); activations are
-    :func:`common.memory_formulas.pipeline_activations` with the run's micro batch, precision, attention and
-    checkpointing preset (``inputs.activation_checkpointing``), at ``sequence_parallel``. A binary search: the
-    activations grow with the sequence. None when not even one step fits, or the activations are not estimated.
-    """
-    layout = inputs.layout
-    step = math.lcm(SEQ_STEP, sequence_parallel)
-    usable = USABLE_FRACTION * inputs.device_memory_bytes
-    run = (inputs.activation_checkpointing, inputs.precision, inputs.attention, layout.tensor, layout.pipeline)
-
-    def fits(k: int) -> bool:
-        act = pipeline_activations(facts, k * step, inputs.micro_batch_size, *run, sequence_parallel)
-        return act is not None and base_bytes + act <= usable
-
-    lo, hi = 0, MAX_SEQ_LEN // step  # fits(lo) is assumed, the answer is lo
-    if not fits(1):
-        return None
-    lo = 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo * step
-
-
-def longest_summary(result: Plan) -> dict[str, Any]:
-    """The ``--json`` form of the longest sequences: the best row with and without SP, on the device alone and with
-    offload, for the run's micro batch and checkpointing preset."""
-    inp = result.inputs
-
-    def best(rows: list[Row], key: str) -> dict[str, Any] | None:
-        found = [r for r in rows if getattr(r, key)]
-        if not found:
-            return None
-        row = max(found, key=lambda r: (getattr(r, key), -r.stage))
-        return {"seq_len": getattr(row, key), "stage": row.stage, "offload": row.offload, "preset": row.preset}
-
-    on_device = [r for r in result.rows if r.offload == "none"]
-    return {
-        "sequence_parallel": inp.sequence_parallel,
-        "micro_batch_size": inp.micro_batch_size,
-        "activation_checkpointing": inp.activation_checkpointing,
-        "step_tokens": math.lcm(SEQ_STEP, inp.sequence_parallel),
-        "with_sp": {"on_device": best(on_device, "longest_seq_len"), "any": best(result.rows, "longest_seq_len")},
-        "without_sp": {
-            "on_device": best(on_device, "longest_seq_len_without_sp"),
-            "any": best(result.rows, "longest_seq_len_without_sp"),
-        },
-    }
-
-
-def recommend(result: Plan) -> dict[str, Any]:
-    """The first rung of guide 1's ladder (section 5.3) that fits, with the reason in words.
+def recommend(result: Plan, accept: Callable[[Row], bool] | None = None) -> dict[str, Any]:
+    """The first rung of guide 1's ladder (section 5.3) that fits (and that ``accept`` takes), with the reason.
 
     Order: stages 0, 1, 2, 3 without offload and without activation checkpointing; then the same with
     checkpointing (compute traded for memory, guide 1, 5.1); then stage 2 + optimizer offload (the
@@ -457,7 +432,7 @@ def recommend(result: Plan) -> dict[str, Any]:
     for mode, keys in passes:
         for key in keys:
             row = rows.get(key)
-            if row is None or not row.fits:
+            if row is None or not row.fits or (accept is not None and not accept(row)):
                 continue
             if mode == "none" and row.fits_with not in ("none", "unknown activations"):
                 continue
@@ -471,15 +446,23 @@ def recommend(result: Plan) -> dict[str, Any]:
             f"nothing fits in {fmt_gb(usable)} per device ({int(USABLE_FRACTION * 100)} % of "
             f"{fmt_gb(result.inputs.device_memory_bytes)}): add devices or nodes, lower the micro batch or "
             "sequence length, or offload to NVMe (deepspeed_stage_3_offload_nvme)"
+            + (
+                "; rows short of host RAM per node are marked (host/node)"
+                if any(r.note.startswith("host RAM") for r in result.rows)
+                else ""
+            )
         ),
     }
 
 
 _RUNG_WHY = {
     (0, "none"): "plain data parallelism: no sharding, DDP's communication",
-    (1, "none"): "stage 1 shards optimizer states at DDP's communication cost",
-    (2, "none"): "stage 2 also shards gradients (reduce-scatter; guide 1 measured 0.97x of stage 1)",
-    (3, "none"): "stage 3 shards parameters too (an all-gather per layer; guide 1 measured 0.92x)",
+    (1, "none"): "stage 1 shards optimizer states (DeepSpeed 0.19: a gradient all-reduce a step, then an all-gather "
+    "of the updated parameters, 1.5x DDP's bytes)",
+    (2, "none"): "stage 2 also shards gradients (DeepSpeed 0.19 all-reduces each gradient bucket every micro-batch and "
+    "keeps its part: with accumulation more bytes than stage 1; guide 1 measured 0.97x of stage 1)",
+    (3, "none"): "stage 3 shards parameters too (all-gathers before forward and backward, a reduce-scatter of the "
+    "gradients, every micro-batch; guide 1 measured 0.92x)",
     (1, "optimizer"): "stage 1 with optimizer states in host RAM",
     (2, "optimizer"): "optimizer states in host RAM, the guide's first offload (12 B/param leave the device)",
     (3, "optimizer"): "stage 3 with optimizer states in host RAM",
@@ -514,6 +497,9 @@ def _recommendation(row: Row, result: Plan, usable: float, ac: str) -> dict[str,
         lower = rows.get(key)
         if lower is not None:
             text = f"{_rung_name(lower)} needs {_rung_need(lower, ac)}"
+            passed_for_network = lower.fits_with in ("none", "unknown activations") or checkpointing != "none"
+            if lower.fits and passed_for_network and lower.network and not lower.network["within_max_share"]:
+                text += " (fits, but its communication is over the bar)"
             skipped.append(text + (f", {lower.note}" if lower.note else ""))
     reason = f"{_rung_name(row)} fits in {fmt_gb(used)}"
     if checkpointing != "none":
@@ -561,7 +547,9 @@ def format_plan(result: Plan) -> str:
     lines.append("")
     header = (
         f"{'stage':>5}  {'offload':<9}  {'guide states':>12}  {'DeepSpeed est.':>14}  {'activations':>11}  "
-        f"{'act. ' + ac:>16}  {'buffers <=':>10}  {'host/node':>10}  {'offload s/step >=':>17}  fits"
+        f"{'act. ' + ac:>16}  {'buffers <=':>10}  {'host/node':>10}  {'offload s/step >=':>17}  "
+        + (f"{'comm s share/exp.':>17}  " if inp.network else "")
+        + "fits"
     )
     lines += [header, "-" * len(header)]
     for r in result.rows:
@@ -576,7 +564,9 @@ def format_plan(result: Plan) -> str:
             f"{r.stage:>5}  {r.offload:<9}  {fmt_gb(r.model_states_bytes):>12}  "
             f"{fmt_gb(r.deepspeed_estimate_bytes):>14}  {fmt_gb(r.activations_bytes):>11}  "
             f"{fmt_gb(r.activations_checkpointed_bytes):>16}  {fmt_gb(r.buffers_bytes):>10}  "
-            f"{fmt_gb(r.host_ram_per_node_bytes):>10}  {_fmt_floor(r):>17}  {fits}"
+            f"{fmt_gb(r.host_ram_per_node_bytes):>10}  {_fmt_floor(r):>17}  "
+            + (f"{fmt_comm(r):>17}  " if inp.network else "")
+            + fits
         )
     rec = result.recommendation
     lines += [
@@ -593,8 +583,12 @@ def format_plan(result: Plan) -> str:
         "  --bandwidth LINK=GB/s sets a measured one (bench/nvme_io.py measures the disk); --offload X shows the sums.",
         "",
     ]
+    if inp.async_save:
+        lines[-1:-1] = _async_lines(result)
+    if inp.network:
+        lines[-1:-1] = network_lines(result, _rung_name)
     if inp.sequence_parallel > 1:
-        lines += _longest_lines(result) + [""]
+        lines += longest_lines(result) + [""]
     if inp.offload not in (None, "none"):
         lines += _traffic_sums(result) + [""]
     recommended = (
@@ -609,6 +603,17 @@ def format_plan(result: Plan) -> str:
     )
     lines += textwrap.wrap(recommended, width=len(header), subsequent_indent="  ", break_on_hyphens=False)
     return "\n".join(lines)
+
+
+def _async_lines(result: Plan) -> list[str]:
+    """The async_save term of host/node: what each rank's snapshot copies, per row without offload."""
+    shown = ", ".join(f"stage {r.stage} {fmt_gb(r.async_snapshot_bytes)}" for r in result.rows if r.offload == "none")
+    text = (
+        "async_save: host/node includes each rank's host copy of its checkpoint share (optimizer partition 12 B x "
+        "trainable / N; stages 0-2: + the module on each data-parallel group's first rank); the largest rank's: "
+        + shown
+    )
+    return textwrap.wrap(text, width=110, subsequent_indent="  ")
 
 
 def _layout_lines(result: Plan) -> list[str]:
@@ -652,47 +657,6 @@ def _sequence_lines(result: Plan) -> list[str]:
     ]
     indent = {True: "    ", False: "  "}
     return [part for line in lines for part in textwrap.wrap(line, width=118, subsequent_indent=indent[line[0] == " "])]
-
-
-def _longest_lines(result: Plan) -> list[str]:
-    """The longest sequence each row fits, with and without sequence parallelism (the planner's totals; printed with
-    ``--sequence-parallel`` N > 1, always in ``--json``)."""
-    inp = result.inputs
-    if result.model.architecture != "transformer" or not any(r.longest_seq_len for r in result.rows):
-        return []
-    sp = inp.sequence_parallel
-    step = math.lcm(SEQ_STEP, sp)
-    lines = [
-        f"longest sequence that fits, a multiple of {step:,} tokens (planner totals: states + buffers + activations "
-        f"with {inp.activation_checkpointing!r} checkpointing, micro batch {inp.micro_batch_size}):"
-    ]
-    lines = textwrap.wrap(lines[0], width=118, subsequent_indent="  ")
-    for r in result.rows:
-        if not (r.longest_seq_len or r.longest_seq_len_without_sp):
-            continue
-        text = f"  {_rung_name(r) + ':':<28} "
-        if sp > 1:
-            gain = (
-                f" ({r.longest_seq_len / r.longest_seq_len_without_sp:.1f}x)"
-                if r.longest_seq_len and r.longest_seq_len_without_sp
-                else ""
-            )
-            without, with_sp = _fmt_tokens(r.longest_seq_len_without_sp), _fmt_tokens(r.longest_seq_len)
-            text += f"{without} without SP, {with_sp} with SP {sp}{gain}"
-        else:
-            text += _fmt_tokens(r.longest_seq_len)
-        lines.append(text)
-    lines.append(
-        "  saved-for-backward bytes only: transient buffers (the logits' gradient, attention workspace) come on top"
-    )
-    return lines
-
-
-def _fmt_tokens(n: int | None) -> str:
-    """``98,304 tokens``; ``none`` when not one step fits; ``>= ...`` at the search's ceiling."""
-    if n is None:
-        return "none"
-    return f">= {n:,} tokens" if n + SEQ_STEP > MAX_SEQ_LEN else f"{n:,} tokens"
 
 
 def _fmt_seconds(low: float, high: float) -> str:
@@ -816,6 +780,14 @@ def register(sub: Any) -> None:
         help="SP: ranks splitting each sequence (DeepSpeed Ulysses); must divide the heads and --seq-len "
         "(default 1, or the recipe's sequence_parallel)",
     )
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        default=None,
+        help="asynchronous checkpoints: count each rank's host copy of its checkpoint share in host/node "
+        "(default: the recipe's async_save)",
+    )
+    add_arguments(p)  # --network, --bandwidth-from and the compute they are weighed against
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_estimate)
 
@@ -835,6 +807,7 @@ def _recipe_inputs(args: Any) -> tuple[ModelFacts, dict[str, Any]]:
         "expert_parallel": cfg.get("expert_parallel"),
         "sequence_parallel": cfg.get("sequence_parallel"),
         "parallel_components": run.parallel_components,
+        "async_save": cfg.get("async_save"),
     }
     ac = cfg.get("activation_checkpointing", "none")
     if ac and ac != "none":
@@ -898,6 +871,8 @@ def cmd_estimate(args: Any) -> int:
         if args.sequence_parallel is None
         else args.sequence_parallel,
         parallel_components=recipe_defaults.get("parallel_components", "any"),
+        async_save=bool(args.async_save or recipe_defaults.get("async_save", False)),
+        network=network_from_args(args, gpus * nodes, nodes),
     )
     result = plan(facts, inputs)
     print(to_json_text(result) if args.json else format_plan(result))

@@ -46,6 +46,7 @@ RESULTS_BENCH = {
     "default_runs_cv.json": "default_runs.py",
     "parallelism.json": "parallelism.py",
     "long_context.json": "long_context.py",
+    "communication.json": "communication.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 MACHINE_KEYS = ("cpu_model", "cpu_count", "memory_bytes", "disks")

@@ -99,6 +99,11 @@ FAILING_FILES = {
     "pipeline-zero-stage": ("json", {**ds(3), "pipeline": {"stages": 4}}, {}),
     "parallel-keys-ignored": ("json", {**ds(1), "tensor": {"size": 8}}, {}),  # DeepSpeed has no "tensor" key
     "autotp-size": ("json", {**ds(1), "tensor_parallel": {"autotp_size": 4}}, {}),  # 16 / (4 x 2) = 2 ranks
+    # The tiny recipe's 5.3M parameters copied by 2 ranks against 1 MB of host RAM.
+    "async-save-host-memory": ("recipe:nlp", nlp_yaml(async_save=True), {"host_memory_bytes": 1e6}),
+    # 2 ranks (16 / (4 x 2)) on 2 nodes over 25 Gbit/s.
+    "stage3-slow-network": ("json", ds(3), {"num_params": 7_000_000_000, "network": "25gbps", "nodes": 2}),
+    "bucket-link-scale": ("json", ds(2, reduce_bucket_size=5e8), {"network": "25gbps"}),
 }
 
 NVME_ZERO = {
