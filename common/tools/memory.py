@@ -157,7 +157,7 @@ class PlanInputs:
         device_memory_label: where that number comes from.
         host_memory_bytes: host RAM per node, for offload rows (None: not checked).
         bucket_elements: reduce / all-gather bucket size; None scales it to the model like the presets.
-        bandwidth_gbps: GB/s of each link as (low, high): guide 1's table, or one measured figure (``--bandwidth``).
+        bandwidth_gbps: GB/s of each link as (low, high): typical ranges, or one measured figure (``--bandwidth``).
         tensor_parallel: TP, ranks splitting each matrix (1: none).
         pipeline_parallel: PP, pipeline stages (1: none).
         expert_parallel: EP, ranks splitting a MoE layer's experts (1: none).
@@ -676,9 +676,9 @@ def _fmt_rate(low: float, high: float) -> str:
 
 
 def _fmt_bandwidths(inputs: PlanInputs) -> str:
-    guide = all(inputs.bandwidth_gbps[link] == GUIDE_BANDWIDTH_GBPS[link] for link in LINKS)
+    typical = all(inputs.bandwidth_gbps[link] == GUIDE_BANDWIDTH_GBPS[link] for link in LINKS)
     shown = ", ".join(f"{link} {_fmt_rate(*inputs.bandwidth_gbps[link])} GB/s" for link in ("pcie", "dram", "nvme"))
-    return ("typical bandwidths: " if guide else "bandwidths: ") + shown
+    return ("typical bandwidths: " if typical else "bandwidths: ") + shown
 
 
 def _traffic_sums(result: Plan) -> list[str]:
