@@ -596,15 +596,15 @@ class Link:
         return calls * self.latency_s + sent_bytes / self.bus_bytes_per_s
 
 
-# Link classes: nominal one-direction rates (the guides' figures where they give one: guide 1's PCIe 16-32 GB/s,
-# guide 2's 25 and 100 Gbit/s networks). Real collectives reach less: pass a measured figure when there is one.
+# Link classes: nominal one-direction rates (PCIe 3.0/4.0 x16 at 16-32 GB/s; the 25 and 100 Gbit/s networks at which
+# practitioners report stage 2 and stage 3 to stay usable). Real collectives reach less: pass a measured figure.
 LINK_CLASSES: dict[str, Link] = {
     "nvlink": Link("nvlink", 300e9, 5e-6, "NVLink 3 (A100): 300 GB/s per GPU per direction, nominal"),
-    "pcie3": Link("pcie3", 16e9, 10e-6, "PCIe 3.0 x16: 16 GB/s (guide 1's low end)"),
-    "pcie4": Link("pcie4", 32e9, 10e-6, "PCIe 4.0 x16: 32 GB/s (guide 1's high end)"),
+    "pcie3": Link("pcie3", 16e9, 10e-6, "PCIe 3.0 x16: 16 GB/s, nominal"),
+    "pcie4": Link("pcie4", 32e9, 10e-6, "PCIe 4.0 x16: 32 GB/s, nominal"),
     "pcie5": Link("pcie5", 64e9, 10e-6, "PCIe 5.0 x16: 64 GB/s, nominal"),
-    "25gbps": Link("25gbps", 25 * GBPS, 30e-6, "25 Gbit/s Ethernet (guide 2's stage-2 threshold)"),
-    "100gbps": Link("100gbps", 100 * GBPS, 10e-6, "100 Gbit/s InfiniBand (guide 2's 15 % figure)"),
+    "25gbps": Link("25gbps", 25 * GBPS, 30e-6, "25 Gbit/s Ethernet (below it, stay on stage 2)"),
+    "100gbps": Link("100gbps", 100 * GBPS, 10e-6, "100 Gbit/s InfiniBand (stage 3 reported within 15 % of the step)"),
     "400gbps": Link("400gbps", 400 * GBPS, 10e-6, "400 Gbit/s InfiniBand, nominal"),
 }
 
@@ -793,9 +793,9 @@ BUCKET_TARGET_S = 0.005
 
 
 def suggested_bucket_elements(link: Link, precision: str, lo: float = 5e7, hi: float = 2e9) -> int:
-    """``reduce_bucket_size`` / ``allgather_bucket_size`` for a link (guide 1, 4.2: smaller on a slow network,
+    """``reduce_bucket_size`` / ``allgather_bucket_size`` for a link (smaller on a slow network,
     larger on a fast interconnect): the elements one call moves in :data:`BUCKET_TARGET_S`, and at least 20 x the
-    link's latency worth, clamped to [``lo``, ``hi``] (guide 2, 6: 5e8 to 2e9 on fast links)."""
+    link's latency worth, clamped to [``lo``, ``hi``] (the usual advice: 5e8 to 2e9 on fast links)."""
     seconds = max(BUCKET_TARGET_S, 20 * link.latency_s)
     elements = seconds * link.bus_bytes_per_s / WORKING_BYTES[precision]
     return int(min(hi, max(lo, elements)))

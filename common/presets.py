@@ -1,8 +1,8 @@
 """ZeRO presets as plain data.
 
 Each preset is a dict literal you can read top to bottom: the ZeRO stage, the precision, the
-``zero_optimization`` fields that differ from DeepSpeed's defaults, and a one-line *why* taken from
-the two guides of docs/design.md (guide 1: memory and stages; guide 2: practice and domains).
+``zero_optimization`` fields that differ from DeepSpeed's defaults, and a one-line *why*: the memory
+arithmetic and the practice behind the choice (docs/design.md says where the advice comes from).
 
 Values that depend on the run (batch sizes, bucket sizes scaled to the model, world size) are *not*
 here: :func:`common.strategy.resolve_deepspeed_config` fills them from the run facts, so that a
@@ -23,7 +23,7 @@ FROM_MODEL = "from_model"
 FROM_LAYOUT = "from_layout"
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # --- generic ladder (guide 1, 5.3: stage 1 -> 2 -> 3 -> offload, measured at each step) -------
+    # --- generic ladder (stage 1 -> 2 -> 3 -> offload, fastest first, measured at each step) -------
     "ddp": {
         "why": "Plain data parallelism (ZeRO stage 0): every rank holds all 16 B/param; the ladder's baseline.",
         "stage": 0,
@@ -45,7 +45,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
     },
     "deepspeed_stage_2_offload": {
-        "why": "Stage 2 with optimizer states in host RAM: the guide's first offload (12 B/param leave the GPU).",
+        "why": "Stage 2 with optimizer states in host RAM: the first offload to try (12 B/param leave the GPU).",
         "stage": 2,
         "zero_optimization": {
             "overlap_comm": True,
@@ -146,9 +146,9 @@ PRESETS: dict[str, dict[str, Any]] = {
             "zero_quantized_gradients": True,
         },
     },
-    # --- domain presets (guide 2, section 7) -----------------------------------------------------
+    # --- domain presets (practitioners' choices per domain) ----------------------------------------
     "cv": {
-        "why": "Vision (Swin-like): parameters spread evenly with no giant tensor, so stage 2, not 3 (guide 2, 7.1).",
+        "why": "Vision (Swin-like): parameters spread evenly with no giant tensor, so stage 2, not 3.",
         "stage": 2,
         "zero_optimization": {
             "overlap_comm": True,
@@ -158,7 +158,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
     },
     "nlp": {
-        "why": "Language models: huge embeddings need stage 3; params under 1e6 elements stay resident (guide 2, 7.2).",
+        "why": "Language models: huge embeddings need stage 3; params under 1e6 elements stay resident.",
         "stage": 3,
         "zero_optimization": {
             "overlap_comm": True,
@@ -169,7 +169,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
     },
     "science": {
-        "why": "Scientific models need precision: bf16 (never fp16), stage 2, round-robin gradients (guide 2, 7.3).",
+        "why": "Scientific models need precision: bf16 (never fp16), stage 2, round-robin gradients.",
         "stage": 2,
         "precision": "bf16",
         "forbid_fp16": True,
@@ -178,13 +178,13 @@ PRESETS: dict[str, dict[str, Any]] = {
             "contiguous_gradients": True,
             "reduce_scatter": True,
             "allgather_partitions": True,
-            # DeepSpeed documents round_robin_gradients as an offload optimisation; the guide asks
-            # for it anyway and it is harmless without offload (lint reports it as info).
+            # DeepSpeed documents round_robin_gradients as an offload optimisation; the usual advice
+            # for scientific models keeps it anyway and it is harmless without offload (lint reports it as info).
             "round_robin_gradients": True,
         },
     },
     "finetune": {
-        "why": "LoRA fine-tuning on a big frozen base: stage 3 shards the base, adapters stay whole (guide 2, 4.2).",
+        "why": "LoRA fine-tuning on a big frozen base: stage 3 shards the base, adapters stay whole.",
         "stage": 3,
         "zero_optimization": {
             "overlap_comm": True,

@@ -34,7 +34,7 @@ from common.process_setup import setup_process
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 
-# The guide's starting bucket (guide 1, 4.2: "500m is a steady start"; guide 2, 6: 5e8 .. 2e9).
+# DeepSpeed's default bucket, a common starting point (5e8 is a steady start; the usual range is 5e8 .. 2e9).
 GUIDE_BUCKET_ELEMENTS = 500_000_000
 
 # Top-level DeepSpeed keys an override may touch (DeepSpeed's own config sections).
@@ -141,9 +141,9 @@ class RunFacts:
 def bucket_elements(hidden_size: int | None) -> int:
     """Communication bucket size in elements, scaled to the model.
 
-    DeepSpeed's default (and the guide's starting point) is 5e8 elements. Under stage 3 the reduce
+    DeepSpeed's default (and the usual starting point) is 5e8 elements. Under stage 3 the reduce
     bucket is preallocated: 5e8 bf16 elements cost 1 GB per rank whatever the model's size (measured
-    here: docs/design.md), so small models get smaller buckets. 32 x hidden^2 reaches the guide's 5e8 at
+    here: docs/design.md), so small models get smaller buckets. 32 x hidden^2 reaches the default 5e8 at
     hidden ~4000 (7B class) and gives ~2e6 for a 256-wide model.
     """
     if hidden_size is None:
@@ -163,7 +163,7 @@ def persistence_threshold(hidden_size: int | None) -> int:
 def _precision_sections(precision: str) -> dict[str, Any]:
     fp16: dict[str, Any] = {"enabled": precision == "fp16"}
     if precision == "fp16":
-        # Dynamic loss scaling; loss_scale_window is the guide's first fix for NaN/Inf (guide 2, 3.2).
+        # Dynamic loss scaling; a loss_scale_window is the usual first fix for NaN/Inf under fp16.
         fp16.update(loss_scale=0, loss_scale_window=1000, initial_scale_power=16, hysteresis=2, min_loss_scale=1)
     return {"bf16": {"enabled": precision == "bf16"}, "fp16": fp16}
 
@@ -303,7 +303,7 @@ def _validate(config: dict[str, Any], preset_name: str, forbid_fp16: bool) -> No
     if forbid_fp16 and config["fp16"].get("enabled"):
         raise ConfigError(
             f"preset {preset_name!r} refuses fp16: scientific models need bf16 or fp32 "
-            "(fp16's 5-bit exponent overflows and its 10-bit mantissa loses the small terms; guide 2, 7.3)"
+            "(fp16's 5-bit exponent overflows and its 10-bit mantissa loses the small terms)"
         )
     if config["fp16"].get("enabled") and config["bf16"].get("enabled"):
         raise ConfigError("fp16 and bf16 cannot both be enabled; pick one precision")
@@ -431,8 +431,8 @@ def make_optimizer(
 ) -> Any:
     """AdamW for the config: DeepSpeedCPUAdam when optimizer states are offloaded, else ``torch.optim.AdamW``.
 
-    ZeRO partitions Adam-family optimizers (guide 1, 5.1: an optimizer without partition support breaks
-    the run), and with offload DeepSpeed insists on its CPU Adam, which it compiles on first use.
+    ZeRO partitions Adam-family optimizers (an optimizer without partition support breaks the run),
+    and with offload DeepSpeed insists on its CPU Adam, which it compiles on first use.
     """
     import torch
 

@@ -1,4 +1,4 @@
-"""Config linter: the ZeRO pitfalls of the guides (docs/design.md), those found here and upstream, each with its fix.
+"""Config linter: known ZeRO pitfalls (docs/design.md), those found here and upstream, each with its fix.
 
 ``zero-recipes lint CONFIG`` reads a recipe YAML, a DeepSpeed JSON or an accelerate YAML, normalises
 it into a :class:`LintView` (the DeepSpeed dict, the recipe config dict or None, the source kind, the

@@ -11,15 +11,15 @@ from common.memory_formulas import (
 
 
 def rule_stage3_full_checkpointing(view: LintView) -> list[Finding]:
-    """Guide 2 (6): stage 3 + ``full`` activation checkpointing recomputes (and re-gathers) twice."""
+    """Stage 3 + ``full`` activation checkpointing recomputes (and re-gathers) twice."""
     if view.stage != 3 or view.recipe("activation_checkpointing") != "full":
         return []
     return [
         Finding(
             "stage3-full-checkpointing",
             "warning",
-            "ZeRO stage 3 with 'full' activation checkpointing: guide 2 (6) warns it recomputes twice (each recomputed "
-            "block re-gathers its parameters), costing throughput",
+            "ZeRO stage 3 with 'full' activation checkpointing recomputes twice (each recomputed block re-gathers its "
+            "parameters), costing throughput",
             "use activation_checkpointing: save_memory_optimized (skips the last block's wasted re-gather), or measure "
             "both: zero-recipes probe RECIPE --activation-checkpointing full,save_memory_optimized",
         )
@@ -27,7 +27,7 @@ def rule_stage3_full_checkpointing(view: LintView) -> list[Finding]:
 
 
 def rule_stage3_needs_checkpointing(view: LintView) -> list[Finding]:
-    """Guide 1 (5.1): stage 3 still out of memory -> activation checkpointing. Checked with the estimator, on the
+    """Stage 3 still out of memory -> activation checkpointing. Checked with the estimator, on the
     rank's share of the sequence under Ulysses sequence parallelism. Silent under tiling (``tiled_mlp_shards``,
     ``tiled_loss_shards``): the estimator does not model what tiling keeps, and a warning computed without it would
     count activations the run never holds."""
@@ -62,14 +62,14 @@ def rule_stage3_needs_checkpointing(view: LintView) -> list[Finding]:
             "warning",
             f"stage 3 without activation checkpointing: model states {states / 1e9:.2f} GB + activations "
             f"{none / 1e9:.2f} GB per rank (Korthikanti et al.) exceed {usable / 1e9:.2f} GB usable; stage 3 shards "
-            "model states, not activations (guide 1, 5.1)",
+            "model states, not activations",
             f"activation_checkpointing: save_memory_optimized or full (activations about {full / 1e9:.2f} GB)",
         )
     ]
 
 
 def rule_stage3_consolidate(view: LintView) -> list[Finding]:
-    """Guide 1 (5.1): stage-3 checkpoints are sharded; consolidate before loading on one device.
+    """Stage-3 checkpoints are sharded; consolidate before loading on one device.
 
     Not reported for recipes: they consolidate into ``final/`` themselves.
     """

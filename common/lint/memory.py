@@ -8,7 +8,7 @@ from common.lint.view import Finding, LintView, Rule, as_number
 from common.memory_formulas import fmt_gb
 from common.snapshot_memory import snapshot_bytes_per_node, snapshot_bytes_per_rank
 
-GUIDE_BUCKET_MIN = 5e8  # guide 2, 6: "reduce_bucket_size ... between 5e8 and 2e9"
+GUIDE_BUCKET_MIN = 5e8  # the usual advice: reduce_bucket_size between 5e8 and 2e9 elements (5e8 is DeepSpeed's default)
 GUIDE_BUCKET_MAX = 2e9
 DS_DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size / allgather_bucket_size default
 DS_DEFAULT_PERSISTENCE = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
@@ -60,7 +60,7 @@ def rule_persistence_threshold(view: LintView) -> list[Finding]:
                 f"stage3_param_persistence_threshold {threshold:.3g} is >= {PERSISTENCE_MAX_PER_H2} x hidden^2 "
                 f"({PERSISTENCE_MAX_PER_H2 * h * h:.3g} for hidden {h}): every weight matrix stays whole on every "
                 "rank, so stage 3 costs its all-gathers but saves little over stage 2",
-                f"set it to about 10 x hidden = {10 * h}, or 1e6 to keep small matrices resident (guide 2, 7.2)",
+                f"set it to about 10 x hidden = {10 * h}, or 1e6 to keep small matrices resident",
             )
         ]
     return []
@@ -77,7 +77,7 @@ def _buckets(view: LintView) -> list[tuple[str, float]]:
 
 
 def rule_bucket_size(view: LintView) -> list[Finding]:
-    """Guide 2 (6): buckets between 5e8 and 2e9 elements; the presets scale them down for small models.
+    """Buckets between 5e8 and 2e9 elements (the usual range); the presets scale them down for small models.
 
     Fires (warning) above 2e9; below 5e8 only when the model is known to be big enough for 5e8
     (32 x hidden^2 >= 5e8, the presets' own scaling, i.e. hidden >= ~4000). Below 5e8 with no hidden
@@ -96,9 +96,9 @@ def rule_bucket_size(view: LintView) -> list[Finding]:
             Finding(
                 "bucket-size",
                 "warning",
-                f"{', '.join(big)} above guide 2's 2e9: one huge collective blocks the stream instead of overlapping "
+                f"{', '.join(big)} above 2e9: one huge collective blocks the stream instead of overlapping "
                 "with compute" + (", and stage 3 preallocates the reduce bucket" if view.stage == 3 else ""),
-                "set the bucket sizes between 5e8 and 2e9 (5e8 is the guide's steady start)",
+                "set the bucket sizes between 5e8 and 2e9 (5e8, DeepSpeed's default, is a steady start)",
             )
         )
     if small and scaled is not None and scaled >= GUIDE_BUCKET_MIN:
@@ -106,7 +106,7 @@ def rule_bucket_size(view: LintView) -> list[Finding]:
             Finding(
                 "bucket-size",
                 "warning",
-                f"{', '.join(small)} below guide 2's 5e8 for a model of hidden size {view.hidden_size}: many small "
+                f"{', '.join(small)} below 5e8 for a model of hidden size {view.hidden_size}: many small "
                 "collectives, each paying the network's latency (the presets use min(5e8, 32 x hidden^2) = 5e8 here)",
                 f"set them to 5e8, or let the factory size them: zero-recipes config PRESET --hidden-size "
                 f"{view.hidden_size}",
@@ -117,7 +117,7 @@ def rule_bucket_size(view: LintView) -> list[Finding]:
             Finding(
                 "bucket-size",
                 "info",
-                f"{', '.join(small)} below guide 2's 5e8: right for a small model (the presets use "
+                f"{', '.join(small)} below 5e8: right for a small model (the presets use "
                 "min(5e8, 32 x hidden^2)), too small for a 7B-class one; the hidden size is not known here",
                 "pass --hidden-size (or --model-config) to check them against the model",
             )
@@ -171,14 +171,14 @@ def rule_stage3_bucket_exceeds_memory(view: LintView) -> list[Finding]:
             "error",
             f"stage 3 preallocates reduce_bucket_size = {value:.3g} elements per rank at start: {nbytes / 1e9:,.1f} GB "
             f"({view.precision}), more than the {have / 1e9:,.1f} GB one rank has ({what}): the run cannot start",
-            "set reduce_bucket_size between 5e8 and 2e9 (guide 2, 6), or let the factory scale it to the model "
+            "set reduce_bucket_size between 5e8 and 2e9, or let the factory scale it to the model "
             "(32 x hidden^2: zero-recipes config PRESET --hidden-size H)",
         )
     ]
 
 
 def rule_optimizer_partition(view: LintView) -> list[Finding]:
-    """Guide 1 (5.1): an optimizer without partition support breaks ZeRO; fall back to the Adam family."""
+    """An optimizer without partition support breaks ZeRO; fall back to the Adam family."""
     names = []
     section = (view.ds_config or {}).get("optimizer")
     if isinstance(section, dict) and section.get("type"):
@@ -194,14 +194,14 @@ def rule_optimizer_partition(view: LintView) -> list[Finding]:
             "warning",
             f"optimizer {bad[0]!r} under ZeRO stage {view.stage}: ZeRO partitions Adam-family optimizers (Adam, AdamW, "
             "Lamb, Adagrad and their DeepSpeed versions); others run untested or fail when their state is "
-            "partitioned (guide 1, 5.1)",
+            "partitioned",
             "use AdamW (common.strategy.make_optimizer), or set zero_allow_untested_optimizer and test the result",
         )
     ]
 
 
 def rule_zero_stage_missing(view: LintView) -> list[Finding]:
-    """Guide 2 (3.2): out of memory because ZeRO is not in effect."""
+    """Out of memory because ZeRO is not in effect (a config without a stage runs plain data parallelism)."""
     if view.source_kind != "deepspeed" or view.ds_config is None:
         return []
     if "stage" in view.zero:
@@ -211,8 +211,8 @@ def rule_zero_stage_missing(view: LintView) -> list[Finding]:
             "zero-stage-missing",
             "warning",
             "no zero_optimization.stage: DeepSpeed defaults to stage 0, every rank holds all 16 B/param "
-            "(guide 2, 3.2: 'ZeRO config not in effect')",
-            "set zero_optimization.stage explicitly (2 is the guide's baseline)",
+            "(the usual cause of out-of-memory when ZeRO seems on: its config is not in effect)",
+            "set zero_optimization.stage explicitly (2 is the usual baseline)",
         )
     ]
 

@@ -7,8 +7,8 @@ from common.communication import GBPS, suggested_bucket_elements
 from common.lint.view import Finding, LintView, Rule
 from common.memory_formulas import WORKING_BYTES, fmt_gb
 
-# Guide 2 (2.2): ZeRO-3 stayed within 15 % of the step on 100 Gbit/s InfiniBand; below it, the estimate's worked
-# examples (docs/choosing_a_stage.md) spend most of a step communicating at usual batch sizes.
+# Practitioners report ZeRO-3's communication within 15 % of the step on 100 Gbit/s InfiniBand; below that, the
+# estimate's worked examples (docs/choosing_a_stage.md) spend most of a step communicating at usual batch sizes.
 FAST_NETWORK_BYTES_PER_S = 100 * GBPS
 # A bucket this many times off the link's suggestion is out of scale (the suggestion moves in 5 ms a call).
 BUCKET_SCALE_FACTOR = 4
@@ -40,8 +40,8 @@ def rule_stage3_slow_network(view: LintView) -> list[Finding]:
 
 
 def rule_bucket_link_scale(view: LintView) -> list[Finding]:
-    """reduce/allgather buckets more than 4x off the size the link moves in 5 ms (guide 1, 4.2: smaller on a slow
-    network, larger on a fast interconnect)."""
+    """reduce/allgather buckets more than 4x off the size the link moves in 5 ms (smaller buckets on a slow
+    network, larger on a fast interconnect: each call should take a few ms, not hide behind its latency)."""
     link = view.network
     if link is None or view.stage == 0:
         return []

@@ -24,7 +24,7 @@ def rule_round_robin_without_offload(view: LintView) -> list[Finding]:
             "info",
             "round_robin_gradients is on without optimizer offload: DeepSpeed documents it as a stage 1/2 "
             "optimisation of the CPU-offload gradient copy, so here it changes nothing (the science preset keeps "
-            "it because guide 2, 7.3 asks for it)",
+            "it as the usual advice for scientific models)",
             "keep it (harmless) or drop it; it pays off with offload_optimizer.device: cpu",
         )
     ]
@@ -70,14 +70,14 @@ def rule_offload_pin_memory(view: LintView) -> list[Finding]:
 
 
 def rule_offload_order(view: LintView) -> list[Finding]:
-    """Guide 1 (3.2-3.3, 5.1): offload optimizer states first, parameters after."""
+    """Offload optimizer states first, parameters after: each tier down is slower, and parameters move every layer."""
     if view.offload_device("offload_param") == "none" or view.offload_device("offload_optimizer") != "none":
         return []
     return [
         Finding(
             "offload-order",
             "warning",
-            "parameters are offloaded but optimizer states are not: the guide's order is optimizer states first "
+            "parameters are offloaded but optimizer states are not: offload optimizer states first "
             "(12 B/param, touched once per step), parameters last (fetched every layer over PCIe)",
             "offload_optimizer: {device: cpu} first; add offload_param only if that does not fit",
         )
@@ -125,7 +125,7 @@ def rule_nvme_path(view: LintView) -> list[Finding]:
 
 
 def rule_offload_small_batch(view: LintView) -> list[Finding]:
-    """Guide 1 (3.3, 5.1): offload throughput collapses at small batches; raise the batch."""
+    """Offload throughput collapses at small batches (little compute to hide the copies); raise the batch."""
     if view.offload_device("offload_optimizer") == "none" and view.offload_device("offload_param") == "none":
         return []
     batch = view.recipe("micro_batch_size") or (view.ds_config or {}).get("train_micro_batch_size_per_gpu")
@@ -136,7 +136,7 @@ def rule_offload_small_batch(view: LintView) -> list[Finding]:
             "offload-small-batch",
             "info",
             "offload with micro batch 1: each step pays the host-device copies for little compute",
-            "raise micro_batch_size / grad_accum so compute hides the PCIe transfers (guide 1, 3.3)",
+            "raise micro_batch_size / grad_accum so compute hides the PCIe transfers",
         )
     ]
 

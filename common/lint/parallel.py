@@ -70,7 +70,8 @@ def rule_hpz_partition(view: LintView) -> list[Finding]:
 
 
 def _tensor_parallel_size(view: LintView) -> float | None:
-    """``tensor_parallel.autotp_size`` (AutoTP), else guide 2's ``tensor.size``; None when neither is set."""
+    """``tensor_parallel.autotp_size`` (AutoTP), else ``tensor.size`` (seen in published
+    configs); None when neither is set."""
     ds = view.ds_config or {}
     for section, key in (("tensor_parallel", "autotp_size"), ("tensor", "size")):
         value = ds.get(section)
@@ -102,7 +103,7 @@ def rule_pipeline_zero_stage(view: LintView) -> list[Finding]:
             "pipeline-zero-stage",
             "error",
             f"ZeRO stage {view.stage} with {layout}: DeepSpeed's pipeline engine stops at initialize with 'ZeRO-2 and "
-            "ZeRO-3 are incompatible with pipeline parallelism' (guide 2's ZeRO-3 + pipeline 4 + tensor 8 cannot run)",
+            "ZeRO-3 are incompatible with pipeline parallelism' (a ZeRO-3 + pipeline 4 + tensor 8 layout cannot run)",
             "keep the pipeline with ZeRO-1 (zero_optimization.stage 1: optimizer states sharded over each stage's "
             "data-parallel ranks; tensor parallelism inside a PipelineModule comes from its topology, "
             "PipeModelDataParallelTopology), or drop the pipeline and use ZeRO-3 with tensor parallelism "
@@ -113,14 +114,15 @@ def rule_pipeline_zero_stage(view: LintView) -> list[Finding]:
 
 
 def rule_parallel_keys_ignored(view: LintView) -> list[Finding]:
-    """Parallelism keys DeepSpeed does not read: guide 2's ``tensor`` section and ``pipeline.stages``."""
+    """Parallelism keys DeepSpeed does not read: a ``tensor`` section and ``pipeline.stages`` (seen in published
+    configs)."""
     ds = view.ds_config or {}
     unread = []
     tensor = ds.get("tensor")
     if tensor is not None:
         size = tensor.get("size") if isinstance(tensor, dict) else None
         said = f"tensor.size {size}" if size is not None else "a 'tensor' section"
-        unread.append(f"{said} (guide 2's key; AutoTP reads tensor_parallel.autotp_size)")
+        unread.append(f"{said} (not a DeepSpeed key; AutoTP reads tensor_parallel.autotp_size)")
     pipeline = ds.get("pipeline")
     if isinstance(pipeline, dict) and pipeline.get("stages", "auto") != "auto":
         # runtime/config.py keeps "stages" in its defaults, but nothing in DeepSpeed 0.19.8 reads it.

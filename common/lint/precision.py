@@ -26,7 +26,7 @@ def rule_lightning_16_mixed(view: LintView) -> list[Finding]:
 
 
 def rule_fp16_in_science(view: LintView) -> list[Finding]:
-    """Guide 2 (7.3): scientific models need bf16 or fp32, never fp16."""
+    """Scientific models need bf16 or fp32, never fp16."""
     recipe_precision = str(view.recipe("precision", ""))
     science = view.recipe("preset") == "science" or (view.path is not None and "recipes/science" in view.path)
     fp16 = recipe_precision in ("fp16", "16-mixed", "16") or (view.ds_config is not None and view.precision == "fp16")
@@ -36,7 +36,7 @@ def rule_fp16_in_science(view: LintView) -> list[Finding]:
                 "fp16-in-science",
                 "error",
                 "fp16 in the science preset: fp16's 5-bit exponent overflows and its 10-bit mantissa drops the small "
-                "terms scientific models depend on (guide 2, 7.3)",
+                "terms scientific models depend on",
                 "use precision: bf16 (fp16.enabled false, bf16.enabled true) or fp32",
             )
         ]
@@ -63,7 +63,7 @@ def rule_flash_attention_fp32(view: LintView) -> list[Finding]:
 
 
 def rule_fp16_loss_scaling(view: LintView) -> list[Finding]:
-    """Guide 2 (3.2): NaN/Inf with fp16 -> dynamic loss scaling with loss_scale_window, or bf16."""
+    """NaN/Inf with fp16 -> dynamic loss scaling with loss_scale_window, or bf16."""
     if view.ds_config is None or not view.section_enabled("fp16"):
         return []
     fp16 = view.ds_config.get("fp16")
@@ -75,7 +75,7 @@ def rule_fp16_loss_scaling(view: LintView) -> list[Finding]:
             "fp16-loss-scaling",
             "warning",
             f"fp16 with a static loss scale ({scale:g}): gradients overflow to Inf/NaN or underflow to zero as their "
-            "range drifts (guide 2, 3.2)",
+            "range drifts",
             "set fp16.loss_scale: 0 (dynamic) with loss_scale_window: 1000, or use bf16",
         )
     ]

@@ -9,7 +9,7 @@ from common.lint.view import Finding, LintView, Rule, version_tuple
 
 
 def rule_torch_zero_leak(view: LintView) -> list[Finding]:
-    """Guide 2 (6): PyTorch before 1.12 leaks memory under ZeRO."""
+    """PyTorch before 1.12 leaks memory under ZeRO (a pitfall practitioners report)."""
     version = view.versions.get("torch")
     if not version or view.stage == 0 or version_tuple(version) >= (1, 12):
         return []
@@ -17,14 +17,14 @@ def rule_torch_zero_leak(view: LintView) -> list[Finding]:
         Finding(
             "torch-zero-memory-leak",
             "error",
-            f"PyTorch {version} is installed: versions before 1.12 have a ZeRO memory leak (guide 2, 6)",
-            "upgrade: pip install 'torch>=2.4' (the guide's stable pairing is PyTorch 2.0 + DeepSpeed 0.9 or newer)",
+            f"PyTorch {version} is installed: versions before 1.12 have a ZeRO memory leak",
+            "upgrade: pip install 'torch>=2.4' (a reported stable pairing: PyTorch 2.0 + DeepSpeed 0.9 or newer)",
         )
     ]
 
 
 def rule_deepspeed_06_zero3(view: LintView) -> list[Finding]:
-    """Guide 2 (6): DeepSpeed 0.6's ZeRO-3 has a parameter-synchronisation bug."""
+    """DeepSpeed 0.6's ZeRO-3 has a parameter-synchronisation bug."""
     version = view.versions.get("deepspeed")
     if not version or view.stage != 3 or version_tuple(version)[:2] != (0, 6):
         return []
@@ -32,14 +32,14 @@ def rule_deepspeed_06_zero3(view: LintView) -> list[Finding]:
         Finding(
             "deepspeed-0.6-zero3-sync",
             "error",
-            f"DeepSpeed {version} is installed: 0.6's ZeRO-3 has a parameter synchronisation bug (guide 2, 6)",
-            "upgrade: pip install 'deepspeed>=0.16' (the guide's stable pairing is DeepSpeed 0.9+ with PyTorch 2.0+)",
+            f"DeepSpeed {version} is installed: 0.6's ZeRO-3 has a parameter synchronisation bug",
+            "upgrade: pip install 'deepspeed>=0.16' (a reported stable pairing: DeepSpeed 0.9+ with PyTorch 2.0+)",
         )
     ]
 
 
 def rule_nccl_version(view: LintView) -> list[Finding]:
-    """Guide 2 (5.1): NCCL 2.10 or newer."""
+    """NCCL 2.10 or newer (older releases are a reported source of ZeRO collective failures)."""
     version = view.versions.get("nccl")
     if not version or version_tuple(version) >= (2, 10):
         return []
@@ -47,7 +47,7 @@ def rule_nccl_version(view: LintView) -> list[Finding]:
         Finding(
             "nccl-version",
             "warning",
-            f"NCCL {version}: guide 2 (5.1) asks for 2.10 or newer for ZeRO's reduce-scatter and all-gather",
+            f"NCCL {version}: use 2.10 or newer for ZeRO's reduce-scatter and all-gather",
             "install a PyTorch build that bundles a newer NCCL",
         )
     ]

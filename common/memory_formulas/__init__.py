@@ -1,4 +1,4 @@
-"""The guides' memory formulas and the model facts they need: pure arithmetic, no DeepSpeed, no recipe, no
+"""The ZeRO memory formulas and the model facts they need: pure arithmetic, no DeepSpeed, no recipe, no
 reads of this machine (:mod:`common.machine` has those).
 
 The planner (``zero-recipes estimate``, :mod:`common.tools.memory`) builds its table from these, the linter's

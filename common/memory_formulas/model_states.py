@@ -1,4 +1,4 @@
-"""Model states per rank: the guides' parameter, gradient and optimizer-state bytes under each ZeRO stage and
+"""Model states per rank: the ZeRO paper's parameter, gradient and optimizer-state bytes under each ZeRO stage and
 offload, DeepSpeed's own estimate beside them, and the communication buffers."""
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ def guide_model_states(
     persistence_threshold: int = 0,
     grads_alive: bool = True,
 ) -> tuple[float, float]:
-    """(device bytes, host bytes) of model states per rank by guide 1's formula, with offload moving terms.
+    """(device bytes, host bytes) of model states per rank by the ZeRO paper's formula, with offload moving terms.
 
     Gradients are counted alive by default (the peak, during backward; ``grads_alive=False`` is the state
     after ``step()``). With LoRA the frozen base holds only its working copy (no gradients, no optimizer
     states) and the adapters follow the formula. Stage 3 on more than one rank adds P bytes for every
     parameter under ``persistence_threshold``: DeepSpeed keeps it whole on every rank as well as its
-    partition, which the guide's 16K/N already counts.
+    partition, which the formula's 16K/N already counts.
     """
     if lora_rank:
         trainable = lora_params(facts, lora_rank)
@@ -78,12 +78,12 @@ def predicted_model_state_bytes(
     grads_alive: bool = False,
     persistent_params: int = 0,
 ) -> dict[str, float]:
-    """The guide's per-rank model-state bytes (guide 1, 2.2), generalised to the precision.
+    """The ZeRO paper's per-rank model-state bytes, generalised to the precision.
 
     With P the working bytes per element (2 for bf16/fp16, 4 for fp32), K parameters and N ranks:
     stage 0 holds P*K params + P*K grads + 12K optimizer; stage 1 shards the optimizer (12K/N);
     stage 2 also the gradients (P*K/N); stage 3 also the parameters (P*K/N). For bf16 this is the
-    guide's 16K / 4K + 12K/N / 2K + 14K/N / 16K/N.
+    paper's 16K / 4K + 12K/N / 2K + 14K/N / 16K/N.
 
     Args:
         num_params: K.

@@ -1,4 +1,4 @@
-"""Offload tiers: bytes moved per optimizer step to host memory and NVMe, and the time they take at the guides'
+"""Offload tiers: bytes moved per optimizer step to host memory and NVMe, and the time they take at typical
 bandwidths."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ def swap_threshold_bytes(block_size: float | None) -> int:
     return int(max(MIN_SWAPPED_BYTES, block_size or 0))
 
 
-# Guide 1 (3.2): bandwidth of each tier in GB/s (1e9 bytes/s), as (low, high) of the guide's range.
+# Typical bandwidth of each tier in GB/s (1e9 bytes/s), as (low, high): each tier down is about an order of magnitude
+# slower (HBM, DRAM, PCIe x16 3.0-4.0, NVMe SSD).
 GUIDE_BANDWIDTH_GBPS: dict[str, tuple[float, float]] = {
     "hbm": (1000.0, 2000.0),
     "dram": (50.0, 100.0),
@@ -121,7 +122,7 @@ def link_seconds_range(
 
 
 def parse_bandwidths(items: list[str] | None) -> dict[str, tuple[float, float]]:
-    """Guide 1's bandwidth table, with ``link=GB/s`` items (``nvme=3.2``) replacing a link's range by one figure."""
+    """The typical bandwidth table, with ``link=GB/s`` items (``nvme=3.2``) replacing a link's range by one figure."""
     table = dict(GUIDE_BANDWIDTH_GBPS)
     for item in items or []:
         link, sep, value = str(item).partition("=")

@@ -6,7 +6,7 @@ import re
 
 from common.errors import ConfigError
 
-GB = 1e9  # the guides' GB (112 GB = 7e9 x 16 B)
+GB = 1e9  # decimal GB, as memory tables quote it (112 GB = 7e9 x 16 B)
 GIB = 2**30
 
 
@@ -44,7 +44,7 @@ def parse_count(text: str | float | int) -> int:
 
 
 def fmt_gb(nbytes: float | None, digits: int = 2) -> str:
-    """Bytes as the guides' GB (1e9), e.g. ``26.25 GB``; None as ``n/a``."""
+    """Bytes as decimal GB (1e9), e.g. ``26.25 GB``; None as ``n/a``."""
     if nbytes is None:
         return "n/a"
     if nbytes == 0:

@@ -6,12 +6,12 @@
     zero-recipes doctor --hang runs/nlp                   which rank fell behind, the first collective they disagree on
 
 The first two print one table and write ``doctor.json`` (and, with ``--collectives``, ``doctor_ranks.png``) into
-``--out``. The checks are the ones the guides ask a person to run by hand: guide 2, 5.1 (NCCL >= 2.10,
-``NCCL_ALGO=Tree`` across nodes, SHARP off on some topologies, fused Adam needs CUDA >= 11), 6 (ZeRO-3 on PCIe 3.0
-spends over half its time communicating; ``NCCL_DEBUG=INFO``; the old version pairs), 2.2 (below 25 Gbps between
-nodes prefer stage 2 to stage 3), 3.2 (a sudden slowdown: congestion or a collective deadlock); guide 1, 5.1 (a few
-slow ranks hold back every all-gather). Each finding has a severity, a fix and its source (a guide section or the
-upstream issue).
+``--out``. The checks are the ones practitioners run by hand before a ZeRO run: the cluster's setup (NCCL >= 2.10,
+``NCCL_ALGO=Tree`` across nodes, SHARP off on some topologies, fused Adam needs CUDA >= 11), the hardware (ZeRO-3 on
+PCIe 3.0 spends over half its time communicating; ``NCCL_DEBUG=INFO``; the old version pairs), the network (below
+25 Gbps between nodes prefer stage 2 to stage 3), a sudden slowdown (congestion or a collective deadlock), and slow
+ranks (a few hold back every all-gather, since each collective waits for the last rank). Each finding has a severity,
+a fix and its source (the kind of advice, a lint rule or the upstream issue).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from common.version_window import OutsideWindow, installed_outside_window
 
 PACKAGES = ("torch", "deepspeed", "lightning", "accelerate", "transformers", "peft")
 SEVERITIES = ("error", "warning", "info", "ok")
-SLOW_RANK_RATIO = 0.9  # a rank more than 10 % behind the median is named (guide 1, 5.1)
-STAGE3_MIN_GBPS = 25.0  # guide 2, 2.2: below this between nodes, stage 2 rather than 3
+SLOW_RANK_RATIO = 0.9  # a rank more than 10 % behind the median is named
+STAGE3_MIN_GBPS = 25.0  # rule of thumb: below this between nodes, stage 2 rather than 3
 MB = 1 << 20
 
 
@@ -104,20 +104,19 @@ KNOWN_BAD = (
     ),
 )
 
-# The guide's old version pairs are lint rules already (docs/troubleshooting.md, guide 2, 5.1 and 6).
+# The old version pairs practitioners report are lint rules already (docs/troubleshooting.md).
 GUIDE_VERSION_RULES = ("torch-zero-memory-leak", "deepspeed-0.6-zero3-sync", "nccl-version")
 
-# Environment variables the guides (and torch's hang tooling) speak of, with what to do about each.
+# Environment variables that cluster set-up advice (and torch's hang tooling) speak of, with what to do about each.
 ENV_ADVICE = {
-    "NCCL_ALGO": "guide 2, 5.1: Tree is better across nodes (NCCL_ALGO=Tree); on one node leave NCCL's choice",
-    "NCCL_COLLNET_ENABLE": "guide 2, 5.1: SHARP (CollNet) slows some topologies: 0 turns it off if all-reduce is slow",
-    "NCCL_SHARP_DISABLE": "guide 2, 5.1: SHARP slows some topologies: 1 turns it off if all-reduce is slow",
-    "NCCL_DEBUG": "guide 2, 6: INFO prints each communicator's topology and algorithm; unset it for production runs",
+    "NCCL_ALGO": "Tree is better across nodes (NCCL_ALGO=Tree); on one node leave NCCL's choice",
+    "NCCL_COLLNET_ENABLE": "SHARP (CollNet) slows some topologies: 0 turns it off if all-reduce is slow",
+    "NCCL_SHARP_DISABLE": "SHARP slows some topologies: 1 turns it off if all-reduce is slow",
+    "NCCL_DEBUG": "INFO prints each communicator's topology and algorithm; unset it for production runs",
     "NCCL_P2P_DISABLE": "1 sends GPU-to-GPU traffic through host memory: much slower, for debugging only",
     "NCCL_IB_DISABLE": "1 keeps InfiniBand unused (sockets instead): slower than 25 Gbps on most clusters",
     "NCCL_SOCKET_IFNAME": "the interface NCCL uses between nodes; a wrong one hangs the first collective",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "guide 2, 3.2: a deadlock must fail, not hang: torch's default (3) does; "
-    "0 turns it off",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "a deadlock must fail, not hang: torch's default (3) does; 0 turns it off",
     "TORCH_DISTRIBUTED_DEBUG": "DETAIL checks every collective's op and shapes across ranks before it runs (names a "
     "desync exactly; its cost per step: docs/benchmarks.md, hang-overhead)",
     "TORCH_FR_BUFFER_SIZE": "torch's flight recorder, which a hang report reads; 0 turns it off",
@@ -183,7 +182,7 @@ def version_checks(
     clipping_default: float | None = None,
     tested_lightning: str | None = None,
 ) -> list[Check]:
-    """Findings on a set of installed versions: known-bad pairs, pins, changed defaults, the guide's old pairs.
+    """Findings on a set of installed versions: known-bad pairs, pins, changed defaults, old reported pairs.
 
     Args:
         versions: package -> version (``torch``, ``deepspeed``, ``lightning``, ``peft``, ``nccl``, ...).
@@ -236,7 +235,7 @@ def version_checks(
     guide_view = LintView(ds_config={"zero_optimization": {"stage": 3}}, versions=versions)  # the worst case: ZeRO-3
     for rule_id in GUIDE_VERSION_RULES:
         for finding in RULES[rule_id](guide_view):
-            checks.append(Check(finding.rule_id, finding.severity, finding.message, finding.fix, "guide 2, 5.1 and 6"))
+            checks.append(Check(finding.rule_id, finding.severity, finding.message, finding.fix, "lint rule"))
     if versions.get("cuda") and _in(versions["cuda"], "<11"):
         checks.append(
             Check(
@@ -244,7 +243,7 @@ def version_checks(
                 "warning",
                 f"CUDA {versions['cuda']}: DeepSpeed's fused Adam needs CUDA 11.0 or newer",
                 "a PyTorch build for CUDA >= 11",
-                "guide 2, 5.1",
+                "DeepSpeed's requirements",
             )
         )
     return checks
@@ -413,7 +412,7 @@ def hardware_checks(hardware: dict[str, Any]) -> list[Check]:
                     f"GPU {gpu['index']}'s link reaches PCIe {pcie_text(gpu)} at most: ZeRO-3 on PCIe 3.0 "
                     "spends over half its time communicating",
                     "prefer ZeRO-2 (preset=deepspeed_stage_2) or a PCIe 4.0+ / NVLink machine",
-                    "guide 2, 6",
+                    "practitioners' reports",
                 )
             )
     return checks
@@ -441,7 +440,7 @@ def bus_bandwidth(op: str, message_bytes: float, seconds: float, world_size: int
 
 
 def slow_ranks(speeds: list[float], ratio: float = SLOW_RANK_RATIO) -> list[int]:
-    """Ranks whose speed is below ``ratio`` x the median (guide 1, 5.1: a few slow ranks hold back all of them)."""
+    """Ranks whose speed is below ``ratio`` x the median (a few slow ranks hold back all of them)."""
     median = statistics.median(speeds)
     return [rank for rank, speed in enumerate(speeds) if speed < ratio * median]
 
@@ -451,24 +450,24 @@ def stage_advice(inter_node_gbps: float | None) -> Check:
         return Check(
             "inter-node-bandwidth",
             "info",
-            "one node: the guide's inter-node rule (below 25 Gbps prefer ZeRO-2) does not apply",
+            "one node: the inter-node rule of thumb (below 25 Gbps prefer ZeRO-2) does not apply",
             "measure again on the nodes of the real run",
-            "guide 2, 2.2",
+            "rule of thumb",
         )
     if inter_node_gbps < STAGE3_MIN_GBPS:
         return Check(
             "inter-node-bandwidth",
             "warning",
-            f"measured {inter_node_gbps:.1f} Gbps between nodes, below the guide's 25 Gbps for ZeRO-3",
+            f"measured {inter_node_gbps:.1f} Gbps between nodes, below the 25 Gbps ZeRO-3 needs",
             "ZeRO-2 rather than ZeRO-3 (preset=deepspeed_stage_2), or a faster interconnect",
-            "guide 2, 2.2",
+            "rule of thumb",
         )
     return Check(
         "inter-node-bandwidth",
         "ok",
-        f"measured {inter_node_gbps:.1f} Gbps between nodes: at or above the guide's 25 Gbps for ZeRO-3",
+        f"measured {inter_node_gbps:.1f} Gbps between nodes: at or above the 25 Gbps ZeRO-3 needs",
         "none",
-        "guide 2, 2.2",
+        "rule of thumb",
     )
 
 
@@ -590,12 +589,14 @@ def collective_checks(measured: dict[str, Any]) -> list[Check]:
                 f"rank {rank} ({measured['nodes'][rank]}) computes {speed:.1f} GFLOP/s, {1 - speed / median:.0%} "
                 f"behind the median {median:.1f}: every collective waits for it",
                 "look at that device (clocks, temperature, other processes on it) or leave its node out",
-                "guide 1, 5.1",
+                "synchronous collectives",
             )
         )
     if not measured["slow_ranks"]:
         checks.append(
-            Check("slow-rank", "ok", "no rank more than 10 % behind the median speed", "none", "guide 1, 5.1")
+            Check(
+                "slow-rank", "ok", "no rank more than 10 % behind the median speed", "none", "synchronous collectives"
+            )
         )
     return checks
 

@@ -44,8 +44,8 @@ Plan = PlanInputs = Row = Any
 
 DEFAULT_PEAK_TFLOPS = 312.0  # A100's dense bf16 peak (NVIDIA's datasheet): the worked examples' device
 DEFAULT_UTILISATION = 0.5  # of that peak in the matrix multiplies: a stated assumption, not a measurement
-DEFAULT_MAX_SHARE = 0.15  # guide 2 (2.2): ZeRO-3's communication within 15 % of the training time on 100 Gbps
-GUIDE_LINKS = ("25gbps", "100gbps")  # guide 2's thresholds: below 25 Gbps use ZeRO-2; 15 % on 100 Gbps
+DEFAULT_MAX_SHARE = 0.15  # practitioners report ZeRO-3's communication within 15 % of the step on 100 Gbps
+GUIDE_LINKS = ("25gbps", "100gbps")  # rules of thumb: below 25 Gbps use ZeRO-2; 15 % on 100 Gbps
 
 
 @dataclass(frozen=True)
@@ -391,7 +391,7 @@ def _alternatives(
 
 
 def network_lines(result: Plan, rung_name: Callable[[Row], str]) -> list[str]:
-    """What the communication column assumed, the stage-3 share over guide 2's links, and the terms, one by one."""
+    """What the communication column assumed, the stage-3 share over 25 and 100 Gbps, and the terms, one by one."""
     inp, net = result.inputs, result.inputs.network
     if net is None:
         return []
@@ -433,8 +433,8 @@ def network_lines(result: Plan, rung_name: Callable[[Row], str]) -> list[str]:
 
 
 def guide_shares(result: Plan) -> dict[str, dict[str, float]]:
-    """Guide 2's two rules checked, not assumed: stage 3's share with its data-parallel traffic over 25 and 100 Gbps
-    (between nodes on several nodes; on one node as the ranks' only link), at the plan's batch and compute."""
+    """The two network rules of thumb checked, not assumed: stage 3's share with its data-parallel traffic over 25 and
+    100 Gbps (between nodes on several nodes; on one node as the ranks' only link), at the plan's batch and compute."""
     inp, net = result.inputs, result.inputs.network
     row = next((r for r in result.rows if (r.stage, r.offload) == (3, "none")), None)
     if net is None or row is None:
@@ -456,7 +456,7 @@ def _guide_check(result: Plan) -> str:
     parts = [f"{name} {_pct(s['comm_share'])} ({_pct(s['exposed_share'])} exposed)" for name, s in shares.items()]
     where = "between nodes" if result.inputs.nodes > 1 else "as the ranks' only link"
     return (
-        f"guide 2's rules checked: stage 3 with its data-parallel traffic {where} over "
+        f"rules of thumb checked: stage 3 with its data-parallel traffic {where} over "
         + ", over ".join(parts)
         + " of the step, at this batch and compute"
     )

@@ -264,7 +264,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "lint",
         help="check a recipe YAML, DeepSpeed JSON or accelerate YAML for known ZeRO pitfalls",
-        description="Check a config for the pitfalls of the guides and upstream ones; each finding names its rule, "
+        description="Check a config for known ZeRO pitfalls and upstream ones; each finding names its rule, "
         "severity and fix. Exit code 1 when there is an error.",
     )
     p.add_argument("config", help="recipe YAML, DeepSpeed JSON or accelerate YAML")

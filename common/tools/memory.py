@@ -3,7 +3,7 @@
 Everything here is pure arithmetic on a few model facts, so ``zero-recipes estimate`` answers in a
 second and a test can check each term. Per rank, for K parameters on N data-parallel ranks:
 
-- **model states** by guide 1's formula (section 2.2), through
+- **model states** by the ZeRO paper's formula, through
   :func:`common.accounting.predicted_model_state_bytes`: 16K / 4K + 12K/N / 2K + 14K/N / 16K/N for
   stages 0-3 with mixed-precision Adam. Offload moves terms off the device: ``optimizer`` the 12 B of
   fp32 master + Adam moments, ``params`` (stage 3) the parameters and gradients as well. Gradients are
@@ -44,12 +44,12 @@ second and a test can check each term. Per rank, for K parameters on N data-para
   (:func:`common.memory_formulas.activation_parts`; measured on 2 gloo ranks by
   tests/unit/test_sequence_parallel_activations.py). The SP ranks hold the same samples, so DP = world / (TP x PP x
   SP), but ZeRO partitions model states over them too (DeepSpeed's sequence-data-parallel group): the states
-  column is the guide's formula with N = world / (TP x PP). :func:`longest_sequence` searches the longest sequence
+  column is the ZeRO formula with N = world / (TP x PP). :func:`longest_sequence` searches the longest sequence
   each row fits, with and without SP.
 
 A row *fits* when model states + activations + buffers stay within 90 % of the device memory (10 %
 kept for fragmentation and the runtime's own context) and, with offload, the host RAM holds the
-offloaded states. :func:`recommend` walks guide 1's ladder (section 5.3) over the rows.
+offloaded states. :func:`recommend` walks the ladder of stages, fastest first, over the rows.
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ ROW_PRESETS: dict[tuple[int, str], str] = {
     (3, "nvme"): "deepspeed_stage_3_offload_nvme",
 }
 
-# Guide 1, 5.3 and 3.3: stages in order without offload, then offload optimizer states on stage 2
-# (the guide's first offload), then stage 3 with optimizer, then parameters too.
+# The ladder, fastest first: stages in order without offload, then offload optimizer states on stage 2
+# (the first offload to try), then stage 3 with optimizer, then parameters too.
 LADDER: tuple[tuple[int, str], ...] = (
     (0, "none"),
     (1, "none"),
@@ -157,7 +157,7 @@ class PlanInputs:
         device_memory_label: where that number comes from.
         host_memory_bytes: host RAM per node, for offload rows (None: not checked).
         bucket_elements: reduce / all-gather bucket size; None scales it to the model like the presets.
-        bandwidth_gbps: GB/s of each link as (low, high): guide 1's table, or one measured figure (``--bandwidth``).
+        bandwidth_gbps: GB/s of each link as (low, high): typical ranges, or one measured figure (``--bandwidth``).
         tensor_parallel: TP, ranks splitting each matrix (1: none).
         pipeline_parallel: PP, pipeline stages (1: none).
         expert_parallel: EP, ranks splitting a MoE layer's experts (1: none).
@@ -416,11 +416,11 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
 
 
 def recommend(result: Plan, accept: Callable[[Row], bool] | None = None) -> dict[str, Any]:
-    """The first rung of guide 1's ladder (section 5.3) that fits (and that ``accept`` takes), with the reason.
+    """The first rung of the ladder that fits (and that ``accept`` takes), with the reason.
 
     Order: stages 0, 1, 2, 3 without offload and without activation checkpointing; then the same with
-    checkpointing (compute traded for memory, guide 1, 5.1); then stage 2 + optimizer offload (the
-    guide's first offload, 3.3), stage 3 + optimizer offload, stage 3 + parameter offload: offload last.
+    checkpointing (compute traded for memory); then stage 2 + optimizer offload (the first offload
+    to try), stage 3 + optimizer offload, stage 3 + parameter offload: offload last.
     """
     rows = {(r.stage, r.offload): r for r in result.rows}
     usable = USABLE_FRACTION * result.inputs.device_memory_bytes
@@ -460,11 +460,11 @@ _RUNG_WHY = {
     (1, "none"): "stage 1 shards optimizer states (DeepSpeed 0.19: a gradient all-reduce a step, then an all-gather "
     "of the updated parameters, 1.5x DDP's bytes)",
     (2, "none"): "stage 2 also shards gradients (DeepSpeed 0.19 all-reduces each gradient bucket every micro-batch and "
-    "keeps its part: with accumulation more bytes than stage 1; guide 1 measured 0.97x of stage 1)",
+    "keeps its part: with accumulation more bytes than stage 1; a published GPU ladder measured 0.97x of stage 1)",
     (3, "none"): "stage 3 shards parameters too (all-gathers before forward and backward, a reduce-scatter of the "
-    "gradients, every micro-batch; guide 1 measured 0.92x)",
+    "gradients, every micro-batch; a published GPU ladder measured 0.92x)",
     (1, "optimizer"): "stage 1 with optimizer states in host RAM",
-    (2, "optimizer"): "optimizer states in host RAM, the guide's first offload (12 B/param leave the device)",
+    (2, "optimizer"): "optimizer states in host RAM, the first offload to try (12 B/param leave the device)",
     (3, "optimizer"): "stage 3 with optimizer states in host RAM",
     (3, "params"): "parameters in host RAM too: expect about 0.70x throughput; raise the batch to amortise PCIe",
     (3, "nvme"): "parameters and optimizer states on NVMe (ZeRO-Infinity): host RAM holds buffers only, and the "
@@ -523,7 +523,7 @@ def _recommendation(row: Row, result: Plan, usable: float, ac: str) -> dict[str,
 
 
 def format_plan(result: Plan) -> str:
-    """The human table: one line per (stage, offload), GB = 1e9 bytes as in the guides."""
+    """The human table: one line per (stage, offload), GB = 1e9 bytes as memory tables quote it."""
     inp, facts = result.inputs, result.model
     ac = inp.activation_checkpointing
     lines = [
@@ -571,7 +571,7 @@ def format_plan(result: Plan) -> str:
     rec = result.recommendation
     lines += [
         "",
-        "guide states: guide 1 (2.2) per rank, gradients alive — 16K / 4K+12K/N / 2K+14K/N / 16K/N (+ whole copies",
+        "guide states: ZeRO's formula per rank, gradients alive — 16K / 4K+12K/N / 2K+14K/N / 16K/N (+ whole copies",
         "  of stage-3 persistent params), offloaded terms moved to host. DeepSpeed est.: estimate_zero{2,3}_model_",
         "  states_mem_needs (18 B/param sharded + largest layer; none for stages 0-1). activations: bytes saved for",
         "  backward at their peak, counted per op for this attention (eager adds the a*s*s softmax; sdpa/flash keep",
@@ -630,7 +630,7 @@ def _layout_lines(result: Plan) -> list[str]:
         + f"; a rank holds {dense / 1e9:.4g}B dense"
         + (f" + {experts / 1e9:.4g}B expert" if facts.expert_params else "")
         + " parameters",
-        "  model states: the guide's formula on the rank's parameters with N = data-parallel ranks (experts: N = "
+        "  model states: the ZeRO formula on the rank's parameters with N = data-parallel ranks (experts: N = "
         "DP / EP); DeepSpeed est.: n/a (its estimators know no TP, PP or EP)",
     ]
     if layout.pipeline > 1:
@@ -676,9 +676,9 @@ def _fmt_rate(low: float, high: float) -> str:
 
 
 def _fmt_bandwidths(inputs: PlanInputs) -> str:
-    guide = all(inputs.bandwidth_gbps[link] == GUIDE_BANDWIDTH_GBPS[link] for link in LINKS)
+    typical = all(inputs.bandwidth_gbps[link] == GUIDE_BANDWIDTH_GBPS[link] for link in LINKS)
     shown = ", ".join(f"{link} {_fmt_rate(*inputs.bandwidth_gbps[link])} GB/s" for link in ("pcie", "dram", "nvme"))
-    return ("guide 1's bandwidths: " if guide else "bandwidths: ") + shown
+    return ("typical bandwidths: " if typical else "bandwidths: ") + shown
 
 
 def _traffic_sums(result: Plan) -> list[str]:
@@ -714,8 +714,8 @@ def register(sub: Any) -> None:
     """Add ``zero-recipes estimate`` to the CLI's subparsers."""
     p = sub.add_parser(
         "estimate",
-        help="plan memory per ZeRO stage and offload variant (guide formula, DeepSpeed's estimator, activations)",
-        description="Per-rank memory of ZeRO stages 0-3 and offload variants, and the guide's recommended stage. "
+        help="plan memory per ZeRO stage and offload variant (ZeRO formula, DeepSpeed's estimator, activations)",
+        description="Per-rank memory of ZeRO stages 0-3 and offload variants, and the recommended stage. "
         "Example: zero-recipes estimate --params 7e9 --gpus 8 --gpu-memory 80GB",
     )
     src = p.add_mutually_exclusive_group(required=True)
@@ -759,7 +759,7 @@ def register(sub: Any) -> None:
         action="append",
         metavar="LINK=GB/S",
         help="a measured bandwidth for the offload time column, e.g. nvme=3.2 (links: hbm, dram, pcie, nvme; "
-        "default: guide 1's ranges)",
+        "default: typical ranges)",
     )
     p.add_argument(
         "--tensor-parallel", type=int, default=1, help="TP: ranks splitting each matrix (Megatron / AutoTP; default 1)"

@@ -1,6 +1,6 @@
 """Probe: run each candidate preset for a few steps on the user's own model and machine, then recommend one.
 
-Guide 1 (5.3, and its closing advice) asks for exactly this: before the real run, measure every
+The usual advice for choosing a stage is exactly this: before the real run, measure every
 stage's throughput and memory on a short run, tabulate, then decide. Each candidate (a preset x an
 activation-checkpointing preset) runs as its own subprocess of the recipe - the same command a user
 types - so an out-of-memory error in one is a row that says "does not fit", not a crash of the probe::
@@ -9,7 +9,7 @@ types - so an out-of-memory error in one is a row that says "does not fit", not 
 
 writes ``probe/report.md``, ``probe/report.json``, ``probe/probe.png`` (memory vs throughput, one
 point per candidate) and ``probe/recommended.yaml`` (the recipe's config with the chosen preset, which
-the recipe accepts as ``--config``). The recommendation follows guide 1's ladder: stage 2 is the
+the recipe accepts as ``--config``). The recommendation walks the ladder, fastest first: stage 2 is the
 baseline; a stage-2 throughput more than 5 % below stage 1's is a network suspect; stage 3 only when
 stage 2 does not fit or cannot grow the batch; offload last.
 
@@ -69,7 +69,7 @@ from common.tools.recipes import Recipe, describe, find_recipe, recipe_env
 # --- candidates and rows ------------------------------------------------------------------------------
 
 DEFAULT_CANDIDATES = ("ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload")
-NETWORK_SUSPECT_DROP = 0.05  # guide 1, 5.3: stage 2 more than 5 % slower than stage 1 -> suspect the network
+NETWORK_SUSPECT_DROP = 0.05  # a rule of thumb: stage 2 more than 5 % slower than stage 1 -> suspect the network
 GROW_BATCH_HEADROOM = 0.2  # stage 2 "cannot grow the batch" when its peak leaves less than 20 % of the device
 OUT_OF_MEMORY_MARKERS = ("out of memory", "outofmemoryerror", "cannot allocate memory", "killed", "memoryerror")
 
@@ -294,7 +294,7 @@ def measure(candidate: Candidate, out_dir: Path, code: int, log_text: str, comma
 
 
 def recommend(rows: list[ProbeRow], device_memory_bytes: float | None) -> dict[str, Any]:
-    """Guide 1's ladder (5.3) over measured rows: stage 2 is the baseline, stage 3 only when needed, offload last.
+    """The ladder over measured rows: stage 2 is the baseline, stage 3 only when needed, offload last.
 
     - Stage 2 ran: it is the answer, unless its throughput is more than 5 % below the fastest stage 0/1
       row (then the network is the suspect: the faster lower stage is recommended until it is checked),
@@ -318,20 +318,20 @@ def recommend(rows: list[ProbeRow], device_memory_bytes: float | None) -> dict[s
     network_suspect = False
     if by_stage[2]:
         chosen = fastest(by_stage[2])
-        reason = f"stage 2 is the guide's baseline and it fits ({fmt_peak(chosen)} peak per rank)"
+        reason = f"stage 2 is the usual baseline and it fits ({fmt_peak(chosen)} peak per rank)"
         if lower:
             ref = fastest(lower)
             drop = 1 - (chosen.throughput or 0) / ref.throughput if ref.throughput else 0.0
             if drop > NETWORK_SUSPECT_DROP:
                 network_suspect = True
                 reason = (
-                    f"stage 2 runs {drop:.0%} slower than {ref.candidate} (more than the guide's 5 %): suspect "
+                    f"stage 2 runs {drop:.0%} slower than {ref.candidate} (more than 5 %): suspect "
                     f"the network first (interconnect, bucket sizes); {ref.candidate} fits and is faster until "
                     "then"
                 )
                 chosen = ref
             elif drop > 0:
-                reason += f", {drop:.0%} below {ref.candidate}'s throughput (the guide allows up to 5 %)"
+                reason += f", {drop:.0%} below {ref.candidate}'s throughput (up to 5 % is expected)"
             else:
                 reason += f", and as fast as {ref.candidate} or faster ({1 - drop:.2f}x)"
         tight = (
@@ -363,12 +363,12 @@ def recommend(rows: list[ProbeRow], device_memory_bytes: float | None) -> dict[s
     elif on_device:
         chosen = min(on_device, key=lambda r: (r.zero_stage or 0, -(r.throughput or 0)))
         reason = (
-            f"the lowest stage that ran is {chosen.candidate}; stage 2, the guide's baseline, was not measured "
+            f"the lowest stage that ran is {chosen.candidate}; stage 2, the usual baseline, was not measured "
             "(add deepspeed_stage_2 to --candidates)"
         )
     else:
         chosen = _offload_choice(ok)
-        reason = f"only offload candidates ran: {chosen.candidate} (offload is the guide's last rung)"
+        reason = f"only offload candidates ran: {chosen.candidate} (offload is the last rung)"
     if chosen.activation_checkpointing != "none":
         reason += f"; with {chosen.activation_checkpointing!r} activation checkpointing"
     return {
@@ -420,7 +420,7 @@ def run_probe(
         runner: runs one command (tests pass a fake).
         progress: show a progress bar over candidates on stderr.
         bandwidth_gbps: each offload link's GB/s as (low, high) for the planner's time column beside the measured
-            offload cost (default: guide 1's table; ``--bandwidth`` gives this machine's).
+            offload cost (default: typical ranges; ``--bandwidth`` gives this machine's).
         sequence_parallel: Ulysses ranks per sequence for every candidate (``sequence_parallel=N`` in its config and
             command); None keeps the config's own.
 
@@ -562,7 +562,7 @@ def register(sub: Any) -> None:
         default=[],
         metavar="LINK=GB/s",
         help="a measured bandwidth for the planner's offload time beside the measured one, e.g. nvme=1.5 "
-        "(bench/nvme_io.py measures a disk; default: guide 1's table)",
+        "(bench/nvme_io.py measures a disk; default: typical ranges)",
     )
     p.add_argument(
         "--sequence-parallel",

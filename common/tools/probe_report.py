@@ -144,7 +144,7 @@ def offload_timing(
     """Per offload row: the step time it added over its counterpart, beside the planner's time column for it.
 
     The planner's figure (``zero-recipes estimate``'s ``offload s/step >=``) is the bytes one optimizer step moves
-    over the links the tier adds, divided by their bandwidth (``bandwidth_gbps``: guide 1's ranges, or measured
+    over the links the tier adds, divided by their bandwidth (``bandwidth_gbps``: typical ranges, or measured
     figures given with ``--bandwidth``), the slowest link counted: for NVMe over host-RAM offload only the disk,
     otherwise every offload link.
     """
@@ -327,7 +327,7 @@ def format_report_md(result: ProbeResult) -> str:
             else "unknown."
         ),
         "",
-        "Ladder (guide 1, 5.3): stage 2 is the baseline; more than 5 % slower than stage 1 -> suspect the network; "
+        "Ladder (fastest first): stage 2 is the baseline; more than 5 % slower than stage 1 -> suspect the network; "
         "stage 3 only when stage 2 does not fit or cannot grow the batch (under 20 % of the device left); offload "
         "last. Each candidate's output is in its log (`logs/` next to this report).",
     ]

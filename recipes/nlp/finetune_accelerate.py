@@ -109,7 +109,7 @@ def main() -> None:
     attention = resolve_attention_or_exit(cfg, "cuda" if on_gpu else "cpu")
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
     check_sequence_parallel(cfg, world_size, config, attention)
-    # The guides' pitfalls, checked before any work (printed on rank 0; errors refuse the run).
+    # Known ZeRO pitfalls (common.lint), checked before any work (printed on rank 0; errors refuse the run).
     lint_at_start(ds_config, config_to_dict(cfg), hidden_size=config.hidden_size, world_size=world_size)
     base_val_accuracy = None
     if is_launcher_rank_zero():

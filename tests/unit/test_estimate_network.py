@@ -58,7 +58,7 @@ def test_without_network_flags_the_plan_is_unchanged():
     }
     assert fast.recommendation["reason"].startswith(plain.recommendation["reason"])
     code, out, _ = run_cli("--params", "7e9", "--gpus", "8", "--gpu-memory", "80GB")
-    assert code == 0 and "comm s" not in out and "guide 2's rules" not in out
+    assert code == 0 and "comm s" not in out and "rules of thumb checked" not in out
 
 
 def test_seconds_and_compute_by_hand():
@@ -184,7 +184,7 @@ def test_worked_examples_are_the_commands_output():
         assert code == 0, err
         fix = f"paste the output of `{command}` into docs/choosing_a_stage.md"
         assert shown.splitlines() == out.rstrip("\n").splitlines(), fix
-        guide = " ".join(out.split("guide 2's rules checked:")[1].split("stage 3, term by term")[0].split())
+        guide = " ".join(out.split("rules of thumb checked:")[1].split("stage 3, term by term")[0].split())
         guide_lines[
             ("13B" if "13e9" in command else "7B", "8 x 2,048" if "--micro-batch-size 8" in command else "1")
         ] = guide
