@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench helpers, and the repository when not installed
-from _bench_util import (  # noqa: E402
+sys.path.insert(0, str(HERE.parent))  # the repository, when not installed
+from bench._bench_util import (  # noqa: E402
     environment,
     launch_group,
     load_document,
@@ -39,7 +39,6 @@ from _bench_util import (  # noqa: E402
     table_head,
     write_results,
 )
-
 from common.host_memory import SWITCH_ENV as KEEP_FREED_MEMORY_ENV  # noqa: E402
 
 RESULTS = HERE / "results" / "allocator_offload.json"
