@@ -63,7 +63,7 @@ from common.activation import find_blocks
 from common.async_checkpoint import WRITE_DELAY_ENV, Checkpointer, fsync_tree
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
 from common.errors import ConfigError, nearest
-from common.strategy import PRECISIONS, torch_dtype
+from common.strategy import PRECISIONS, accelerate_launch_fields, torch_dtype
 
 FSDP2_PRESETS: dict[str, dict[str, Any]] = {
     "fsdp2": {
@@ -308,14 +308,7 @@ def accelerate_fsdp2_config(
             "fsdp_reshard_after_forward": spec["reshard_after_forward"],
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         },
-        "machine_rank": 0,
-        "main_process_port": main_process_port,
-        "main_training_function": "main",
-        "num_machines": num_machines,
-        "num_processes": num_processes,
-        "rdzv_backend": "static",
-        "same_network": True,
-        "use_cpu": False,
+        **accelerate_launch_fields(num_processes, num_machines, main_process_port, use_cpu=False),
     }
 
 

@@ -584,6 +584,15 @@ def accelerate_config(
             "zero3_init_flag": zero3_init,
             "deepspeed_multinode_launcher": "standard",
         },
+        **accelerate_launch_fields(num_processes, num_machines, main_process_port, use_cpu),
+    }
+
+
+def accelerate_launch_fields(
+    num_processes: int, num_machines: int, main_process_port: int, use_cpu: bool
+) -> dict[str, Any]:
+    """The launch fields of an accelerate config YAML, the same whichever engine the file selects."""
+    return {
         "machine_rank": 0,
         "main_process_port": main_process_port,
         "main_training_function": "main",
