@@ -77,8 +77,10 @@ def test_a_step_reuses_the_memory_the_step_before_freed():
 
 @linux_only
 def test_the_builds_own_defaults_and_what_keeping_changes_there():
-    faults_default = second_step_faults(**{SWITCH_ENV: "off"})
-    faults_kept = second_step_faults()
+    # The fewest faults of three children each: on the CUDA build both settings wander between about 2,300 and
+    # 4,900 faults from one child to the next (measured), with what each process allocates before the steps.
+    faults_default = min(second_step_faults(**{SWITCH_ENV: "off"}) for _ in range(3))
+    faults_kept = min(second_step_faults() for _ in range(3))
     assert faults_kept < 0.25 * PAGES_PER_STEP, (faults_kept, faults_default)
     if faults_default > 0.75 * PAGES_PER_STEP:  # the premise holds on this build (the CPU build of torch 2.13)
         return
@@ -88,9 +90,9 @@ def test_the_builds_own_defaults_and_what_keeping_changes_there():
         f"instead that keeping the memory is no worse ({faults_kept:,} faults)",
         stacklevel=1,
     )
-    # What still holds: the kept setting faults no more than the defaults, give or take the 512 pages (2 MiB) the
-    # two processes differ by in what they allocate before the steps.
-    assert faults_kept <= faults_default + 512, (faults_kept, faults_default)
+    # What still holds: the kept setting faults no more than the defaults, give or take 5 % of a step's pages (10 MiB),
+    # the width of that child-to-child wander. A kept setting that gave the step back would fault most of its pages.
+    assert faults_kept <= faults_default + 0.05 * PAGES_PER_STEP, (faults_kept, faults_default)
 
 
 def test_the_users_allocator_settings_win(monkeypatch):
