@@ -14,13 +14,12 @@ records every parameter's ZeRO status after ``backward`` and after ``step``, and
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import deepspeed
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
+from worker_util import write_rank_record
 
 from common.accounting import model_state_bytes
 from common.activation import apply_activation_checkpointing
@@ -101,9 +100,7 @@ def main() -> None:
     record = {"rank": rank, "deepspeed": deepspeed.__version__, "config": ds_config}
     for mode, use_reentrant in (("reentrant", True), ("non_reentrant", False)):
         record[mode] = one_step(ds_config, use_reentrant, rank)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    write_rank_record(args.out, rank, record)
 
 
 if __name__ == "__main__":

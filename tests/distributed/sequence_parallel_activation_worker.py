@@ -16,7 +16,6 @@ recomputation included). No ``deepspeed.initialize``: the engine does not change
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import deepspeed
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from deepspeed.runtime.sequence_parallel import parallel_state_sp
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from worker_util import write_rank_record
 
 from common.activation import apply_activation_checkpointing, saved_activation_bytes
 from nlp.model import build_llama_config, build_model_from_config
@@ -134,8 +134,7 @@ def main() -> None:
             }
         )
         dist.barrier()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": world, "cases": records}, indent=1))
+    write_rank_record(args.out, rank, {"rank": rank, "world": world, "cases": records})
     dist.destroy_process_group()
 
 
