@@ -22,3 +22,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def forbid(monkeypatch):
+    """``forbid(module, name, why)``: for the rest of the test, a call of ``module.name`` fails it with ``why``."""
+
+    def replace(module, name: str, why: str) -> None:
+        def called(*args, **kwargs):
+            raise AssertionError(why)
+
+        monkeypatch.setattr(module, name, called)
+
+    return replace
