@@ -1,4 +1,4 @@
-"""What the distributed test workers share: a quiet Lightning trainer and one JSON record a rank.
+"""What the distributed test workers share: joining the gloo group, a quiet Lightning trainer, one JSON record a rank.
 
 The workers run as scripts (``python tests/distributed/x_worker.py``, under torchrun or ``accelerate launch``), so
 their folder is on ``sys.path`` and they import this module by its bare name.
@@ -8,6 +8,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import deepspeed
+import torch
+
+
+def setup_gloo_rank() -> tuple[int, int]:
+    """Keep this process to one intra-op thread (two ranks share two cores) and join the gloo process group through
+    DeepSpeed, as ``deepspeed.initialize`` would. Returns ``(rank, world size)``."""
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
 def quiet_cpu_trainer(devices: int, max_steps: int, **trainer_kwargs):
