@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -138,6 +139,12 @@ def train_metric(out_dir: Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in records if key in r}
 
 
+def describe(script: Path, *args: str) -> dict:
+    """What ``python script --describe args`` prints: one JSON object, and nothing else on stdout."""
+    proc = run([PYTHON, script, "--describe", *args], timeout=300)
+    return json.loads(proc.stdout)
+
+
 def one_error(proc) -> str:
     """The single ``error:`` line of a refused run (exit code 2, no traceback)."""
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -169,6 +176,78 @@ def launch_nlp(entry: str, out_dir: Path, processes: int, *args: str, timeout: f
         proc = run([*torchrun, "--master_port", str(free_port()), script, *args], timeout=timeout)
     (Path(out_dir) / "stdout.txt").write_text(proc.stdout)
     return proc
+
+
+FINETUNE = NLP_RECIPE / "finetune.py"
+FINETUNE_ACCELERATE = NLP_RECIPE / "finetune_accelerate.py"
+
+
+def launch_finetune(entry: str, processes: int, args: list[str], timeout: float = 600):
+    """One run of the fine-tuning recipe as a user launches it: ``accelerate launch`` of finetune_accelerate.py with
+    the shipped accelerate_finetune.yaml (``entry="accelerate"``) or ``python finetune.py devices=N`` (Lightning)."""
+    if entry == "accelerate":
+        config = NLP_RECIPE / "accelerate_finetune.yaml"
+        return accelerate_launch(FINETUNE_ACCELERATE, args, config, num_processes=processes, timeout=timeout)
+    return run([PYTHON, FINETUNE, f"devices={processes}", *args], timeout=timeout)
+
+
+def tiny_fp32_finetune(steps: int) -> list[str]:
+    """Fine-tuning recipe arguments for an equivalence run: fp32, ``steps`` optimizer steps, each logged, one
+    evaluation and one checkpoint at the end, LoRA r 4, one generated token for the exact match. The learning rate is
+    constant after one warmup step."""
+    return [
+        "precision=fp32",
+        f"max_steps={steps}",
+        "warmup_steps=1",
+        "min_lr_ratio=1.0",
+        f"eval_interval={steps}",
+        f"checkpoint_interval={steps}",
+        "log_interval=1",
+        "lora_r=4",
+        "lora_alpha=8",
+        # A dropout mask follows the micro-batch (and a rank's slice of the sequence): a run that cuts the same batch
+        # another way would draw other masks than its reference.
+        "lora_dropout=0.0",
+        "max_new_tokens=1",
+    ]
+
+
+def save_tiny_llama(folder: Path, source_files: int = 4) -> Path:
+    """A base model for the fine-tuning recipe, saved as a Hugging Face folder: a BPE tokenizer (512 tokens) trained
+    on ``source_files`` standard-library files and a 2-layer Llama (64 wide, 4 heads, about 150k parameters) with
+    random weights drawn from seed 0. Returns ``folder``."""
+    # Imported here: most tests that use this module never load torch or transformers in the pytest process.
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nlp.data import read_files, stdlib_source_files, train_bpe_tokenizer
+
+    files = [f for f in stdlib_source_files() if 8_000 < f.stat().st_size < 40_000][:source_files]
+    tokenizer = train_bpe_tokenizer(read_files(files), vocab_size=512, out_dir=folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def assert_same_metric(out_dir: Path, reference: Path, key: str, steps: int) -> None:
+    """Training metric ``key`` (``train_loss``, ``grad_norm``) of the runs in ``out_dir`` and ``reference`` is logged
+    at steps 1 to ``steps`` in both, and each step's value in ``out_dir`` is within 1e-5 relative of the reference's."""
+    found, expected = train_metric(out_dir, key), train_metric(reference, key)
+    what = f"{key} of {out_dir}"
+    assert sorted(found) == sorted(expected) == list(range(1, steps + 1)), f"{what}: {found} vs {expected}"
+    for step, value in found.items():
+        assert math.isclose(value, expected[step], rel_tol=1e-5), f"{what}, step {step}: {found} vs {expected}"
 
 
 # "It trained": the loss on the same fixed batches (the validation blocks every evaluation reads) dropped by at least

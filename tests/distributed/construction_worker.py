@@ -18,12 +18,11 @@ from a fresh fp32 computation.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from worker_util import quiet_cpu_trainer, write_rank_record
 
 from common.errors import exit_on_user_error
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
@@ -85,15 +84,13 @@ def rope_facts(model: torch.nn.Module) -> dict:
 def dump(
     args, rank: int, world_size: int, losses: list[float], model: torch.nn.Module, batches: list[torch.Tensor]
 ) -> None:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     record = {
         "losses": losses,
         "reference_step0_loss": reference_step0_loss(batches[0]),
         "world_size": world_size,
         **rope_facts(model),
     }
-    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    write_rank_record(args.out, rank, record)
 
 
 def run_lightning(args, ds_config) -> None:
@@ -121,14 +118,9 @@ def run_lightning(args, ds_config) -> None:
             return make_optimizer(list(self.parameters()), self.trainer.strategy.config, lr=args.lr)
 
     module = Module()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_cpu_trainer(
+        args.devices,
+        args.steps,
         use_distributed_sampler=False,  # each rank already holds its own batches
         **lightning_trainer_kwargs(ds_config),
     )

@@ -14,13 +14,12 @@ records every parameter's ZeRO status after ``backward`` and after ``step``, and
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import deepspeed
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
+from worker_util import setup_gloo_rank, write_rank_record
 
 from common.accounting import model_state_bytes
 from common.activation import apply_activation_checkpointing
@@ -91,19 +90,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    rank, _ = setup_gloo_rank()
     facts = RunFacts(world_size=2, micro_batch_size=2, precision="bf16", hidden_size=HIDDEN, gradient_clipping=1.0)
     ds_config = resolve_deepspeed_config("finetune", facts)
     ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # nothing resident by design
-    rank = torch.distributed.get_rank()
     # The recipes' form (reentrant) and PyTorch's non-reentrant one, which #8148 changed most.
     record = {"rank": rank, "deepspeed": deepspeed.__version__, "config": ds_config}
     for mode, use_reentrant in (("reentrant", True), ("non_reentrant", False)):
         record[mode] = one_step(ds_config, use_reentrant, rank)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    write_rank_record(args.out, rank, record)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from worker_util import quiet_cpu_trainer
 
 from common.activation import apply_activation_checkpointing
 from common.checkpoint import clean_partial_checkpoints, latest_checkpoint
@@ -221,14 +222,9 @@ def run_lightning(args: argparse.Namespace, rank: int, world: int) -> dict:
             torch.utils.data.TensorDataset(rows), batch_size=GLOBAL_MICRO_BATCH // world
         )
         module = Module(preset)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=world,
-            max_steps=EQUIVALENCE_STEPS,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+        trainer = quiet_cpu_trainer(
+            world,
+            EQUIVALENCE_STEPS,
             use_distributed_sampler=False,
             **lightning_fsdp2_trainer_kwargs(world, GRAD_ACCUM, CLIP),
         )

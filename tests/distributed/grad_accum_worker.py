@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from worker_util import quiet_cpu_trainer
 
 from common.config import parse_overrides
 from common.strategy import RunFacts, accelerator_kwargs, lightning_trainer_kwargs, resolve_deepspeed_config
@@ -134,15 +135,10 @@ def run_lightning(init: Path, stage: int, grad_accum: int, args) -> dict:
             return torch.optim.SGD(self.parameters(), lr=LR)
 
     module = Module()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        max_steps=args.steps,
+    trainer = quiet_cpu_trainer(
+        world_size,
+        args.steps,
         use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         **lightning_trainer_kwargs(ds_config(stage, world_size, args.micro_batch_size, grad_accum)),
     )
     trainer.fit(module, loader)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from worker_util import quiet_cpu_trainer
 
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
 
@@ -85,14 +86,9 @@ def run_lightning(args: argparse.Namespace, ds_config: dict) -> None:
         def configure_optimizers(self):
             return make_optimizer(self.parameters(), self.trainer.strategy.config, lr=1e-3)
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.processes,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_cpu_trainer(
+        args.processes,
+        args.steps,
         use_distributed_sampler=False,
         **lightning_trainer_kwargs(ds_config, timeout=timedelta(seconds=args.timeout), run_dir=args.out),
     )

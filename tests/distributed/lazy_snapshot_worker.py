@@ -29,6 +29,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
+from worker_util import write_rank_record
 
 from common.async_checkpoint import AsyncCheckpointer, Checkpointer
 from common.tools.zero_files import deepspeed_pickle_classes
@@ -125,7 +126,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     record = {f"stage{stage}": check_stage(stage, args.out, rank, world) for stage in STAGES}
-    (args.out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    write_rank_record(args.out, rank, record)
     for stage, facts in record.items():
         print(f"rank {rank} {stage} ({'cuda' if on_gpu else 'cpu'}): {json.dumps(facts)}", flush=True)
 

@@ -16,15 +16,14 @@ recomputation included). No ``deepspeed.initialize``: the engine does not change
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.sequence_parallel import parallel_state_sp
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from worker_util import setup_gloo_rank, write_rank_record
 
 from common.activation import apply_activation_checkpointing, saved_activation_bytes
 from nlp.model import build_llama_config, build_model_from_config
@@ -92,9 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    deepspeed.init_distributed("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = setup_gloo_rank()
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]  # register_with_transformers replaces it: restored for each case
     records = []
     for shape, seq_len, batch, preset in CASES:
@@ -134,8 +131,7 @@ def main() -> None:
             }
         )
         dist.barrier()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": world, "cases": records}, indent=1))
+    write_rank_record(args.out, rank, {"rank": rank, "world": world, "cases": records})
     dist.destroy_process_group()
 
 

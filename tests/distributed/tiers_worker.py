@@ -15,12 +15,12 @@ carry hpZ's secondary (node-local) partition.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 import torch
 from worker import TinyNet, engine_facts, fixed_batch_loss, launcher_world_size, make_data
+from worker_util import quiet_cpu_trainer, write_rank_record
 
 from common.config import parse_overrides
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
@@ -52,7 +52,6 @@ def secondary_partitions(engine) -> int:
 
 
 def dump(out: Path, rank: int, losses: list[float], fixed: list[float], world_env: int, engine, watch) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     record = {
         "rank": rank,
         "losses": losses,
@@ -64,7 +63,7 @@ def dump(out: Path, rank: int, losses: list[float], fixed: list[float], world_en
         "secondary_partitions": secondary_partitions(engine),
         "optimizer": type(engine.optimizer).__name__,
     }
-    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    write_rank_record(out, rank, record)
 
 
 def run_lightning(args, ds_config) -> None:
@@ -103,14 +102,9 @@ def run_lightning(args, ds_config) -> None:
         def configure_optimizers(self):
             return make_optimizer(self.parameters(), self.trainer.strategy.config, lr=args.lr)
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_cpu_trainer(
+        args.devices,
+        args.steps,
         **lightning_trainer_kwargs(ds_config),
     )
     loader = torch.utils.data.DataLoader(make_data(), batch_size=args.micro_batch_size)

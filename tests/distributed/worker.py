@@ -13,11 +13,11 @@ stages and backends.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 import torch
+from worker_util import quiet_cpu_trainer, write_rank_record
 
 from common.accounting import model_state_bytes
 from common.activation import apply_activation_checkpointing
@@ -111,7 +111,6 @@ def dump(
     ds_config: dict,
     num_params: int,
 ) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     record = {
         "rank": rank,
         "losses": losses,
@@ -126,7 +125,7 @@ def dump(
         "optimizer": type(engine.optimizer).__name__,
         "world_size_process_group": torch.distributed.get_world_size(),  # the group DeepSpeed reduces over
     }
-    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    write_rank_record(out, rank, record)
 
 
 def run_lightning(args, ds_config) -> None:
@@ -171,14 +170,9 @@ def run_lightning(args, ds_config) -> None:
     module = Module()
     num_params = sum(p.numel() for p in module.parameters())
     loader = torch.utils.data.DataLoader(make_data(), batch_size=args.micro_batch_size)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_cpu_trainer(
+        args.devices,
+        args.steps,
         **lightning_trainer_kwargs(ds_config),
     )
     trainer.fit(module, loader)

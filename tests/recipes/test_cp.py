@@ -120,7 +120,7 @@ def config_class(module):
 
 def test_every_recipe_config_has_smoke_overrides_that_load_and_shrink_the_run():
     """What ``cp``'s generated smoke test runs: every override names a field of the config and converts to its type
-    (load_config refuses anything else), and the run is a few steps, not the default's."""
+    (load_config refuses anything else), and the run is a few steps, not the default's, and saves a checkpoint."""
     folders = sorted({recipe.folder for recipe in shipped_recipes()})
     assert {folder.name for folder in folders} >= {"cv", "nlp", "science"}
     for folder in folders:
@@ -131,7 +131,8 @@ def test_every_recipe_config_has_smoke_overrides_that_load_and_shrink_the_run():
             cls = config_class(module)
             smoke = load_config(cls, module.DEFAULT_CONFIG, module.SMOKE_OVERRIDES)
             default = load_config(cls, module.DEFAULT_CONFIG)
-            assert smoke.max_steps < default.max_steps and smoke.max_steps <= 20, (path.name, smoke.max_steps)
+            assert smoke.max_steps < default.max_steps and smoke.max_steps <= 10, (path.name, smoke.max_steps)
+            assert smoke.checkpoint_interval <= smoke.max_steps, (path.name, smoke.checkpoint_interval)
             assert smoke != default
 
 

@@ -20,28 +20,12 @@ import json
 import math
 
 import pytest
-import torch
-from _util import PYTHON, REPO, accelerate_launch, read_json, run, train_metric
+from _util import assert_same_metric, launch_finetune, read_json, save_tiny_llama, tiny_fp32_finetune
 
-RECIPE = REPO / "recipes" / "nlp"
-FINETUNE = RECIPE / "finetune.py"
-FINETUNE_ACCELERATE = RECIPE / "finetune_accelerate.py"
 STEPS = 3
 GLOBAL_BATCH = 8
 RESPONSE_WORDS = [1, 2, 3, 20, 40]
-TINY_FP32 = [
-    "precision=fp32",
-    f"max_steps={STEPS}",
-    "warmup_steps=1",
-    "min_lr_ratio=1.0",
-    f"eval_interval={STEPS}",
-    f"checkpoint_interval={STEPS}",
-    "log_interval=1",
-    "lora_r=4",
-    "lora_alpha=8",
-    "lora_dropout=0.0",  # dropout masks follow the micro-batch: the cuts would draw other ones
-    "max_new_tokens=1",
-]
+TINY_FP32 = tiny_fp32_finetune(STEPS)
 # name: (entry point, processes, micro_batch_size, grad_accum); processes x micro-batch x accumulation = 8
 RUNS = {
     "reference": ("accelerate", 1, 8, 1),
@@ -67,34 +51,11 @@ def write_variable_length_data(path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def make_base(folder) -> None:
-    """A 2-layer Llama (4 heads) and its BPE tokenizer, trained on a few standard-library files."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from nlp.data import read_files, stdlib_source_files, train_bpe_tokenizer
-
-    files = [f for f in stdlib_source_files() if 8_000 < f.stat().st_size < 40_000][:4]
-    tokenizer = train_bpe_tokenizer(read_files(files), vocab_size=512, out_dir=folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``runs(name)``: the run's folder (launched on first use, on one base model and data file)."""
     root = tmp_path_factory.mktemp("finetune_cuts")
-    make_base(root / "base")
+    save_tiny_llama(root / "base")
     write_variable_length_data(root / "data.jsonl")
 
     def get(name: str):
@@ -103,28 +64,18 @@ def runs(tmp_path_factory):
             entry, processes, micro, accum = RUNS[name]
             args = [f"out_dir={out_dir}", f"model={root / 'base'}", f"data={root / 'data.jsonl'}", *TINY_FP32]
             args += [f"micro_batch_size={micro}", f"grad_accum={accum}"]
-            if entry == "accelerate":
-                config = RECIPE / "accelerate_finetune.yaml"
-                accelerate_launch(FINETUNE_ACCELERATE, args, config, num_processes=processes)
-            else:
-                run([PYTHON, FINETUNE, f"devices={processes}", *args], timeout=600)
+            launch_finetune(entry, processes, args)
         return out_dir
 
     return get
-
-
-def assert_close(found: dict[int, float], expected: dict[int, float], what: str) -> None:
-    assert sorted(found) == list(range(1, STEPS + 1)), f"{what}: {found}"
-    for step, value in found.items():
-        assert math.isclose(value, expected[step], rel_tol=1e-5), f"{what}, step {step}: {found} vs {expected}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in RUNS if name != "reference"])
 def test_a_cut_of_the_global_batch_trains_like_the_whole_batch(runs, name):
     out_dir, reference = runs(name), runs("reference")
-    assert_close(train_metric(out_dir, "grad_norm"), train_metric(reference, "grad_norm"), f"{name} gradient norm")
-    assert_close(train_metric(out_dir, "train_loss"), train_metric(reference, "train_loss"), f"{name} loss")
+    for key in ("grad_norm", "train_loss"):
+        assert_same_metric(out_dir, reference, key, STEPS)
     summary, expected = read_json(out_dir / "summary.json"), read_json(reference / "summary.json")
     assert math.isclose(summary["val_loss"], expected["val_loss"], rel_tol=1e-5), (summary["val_loss"], expected)
     entry, processes, _, _ = RUNS[name]

@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _util import PYTHON, REPO, accelerate_launch, check_async_saves, read_json, recipe_module, run
+from _util import PYTHON, REPO, accelerate_launch, check_async_saves, read_json, recipe_module, run, save_tiny_llama
 
 RECIPE = REPO / "recipes" / "nlp"
 FINETUNE = RECIPE / "finetune.py"
@@ -98,27 +98,7 @@ EXE = shutil.which("zero-recipes")
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory) -> Path:
     """A 2-layer Llama (about 150k parameters) and its BPE tokenizer, saved as a Hugging Face folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from nlp.data import read_files, stdlib_source_files, train_bpe_tokenizer
-
-    folder = tmp_path_factory.mktemp("base")
-    files = [f for f in stdlib_source_files() if 8_000 < f.stat().st_size < 40_000][:12]
-    tokenizer = train_bpe_tokenizer(read_files(files), vocab_size=512, out_dir=folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("base"), source_files=12)
 
 
 @pytest.fixture(scope="module")

@@ -20,30 +20,26 @@ import json
 import math
 
 import pytest
-import torch
-from _util import PYTHON, REPO, accelerate_launch, read_json, recipe_module, run, train_metric
+from _util import (
+    FINETUNE,
+    NLP_RECIPE,
+    PYTHON,
+    assert_same_metric,
+    launch_finetune,
+    one_error,
+    read_json,
+    recipe_module,
+    run,
+    save_tiny_llama,
+    tiny_fp32_finetune,
+)
 
 from common import sequence_parallel
 from common.errors import ConfigError
 
-RECIPE = REPO / "recipes" / "nlp"
-FINETUNE = RECIPE / "finetune.py"
-FINETUNE_ACCELERATE = RECIPE / "finetune_accelerate.py"
 STEPS = 3
 # The smallest run that shows it: 3 steps of 8 examples (each logged), 4 held-out examples, one checkpoint.
-TINY_FP32 = [
-    "precision=fp32",
-    f"max_steps={STEPS}",
-    "warmup_steps=1",
-    "min_lr_ratio=1.0",
-    f"eval_interval={STEPS}",
-    f"checkpoint_interval={STEPS}",
-    "log_interval=1",
-    "lora_r=4",
-    "lora_alpha=8",
-    "lora_dropout=0.0",  # a rank's dropout masks its own slice: the reference would draw other ones
-    "max_new_tokens=1",
-]
+TINY_FP32 = tiny_fp32_finetune(STEPS)
 # name: (entry point, processes, preset, sequence_parallel, micro_batch_size, grad_accum): 8 examples a step
 RUNS = {
     "reference": ("accelerate", 1, "deepspeed_stage_1", 1, 8, 1),
@@ -79,15 +75,13 @@ def test_a_bad_sequence_parallel_is_one_clear_error(tmp_path):
     # --describe reads the base's config.json only: a folder holding just that is enough.
     tiny_llama_config(vocab_size=512).save_pretrained(tmp_path / "base")
     args = [f"model={tmp_path / 'base'}", "devices=3", "sequence_parallel=3", "preset=deepspeed_stage_2"]
-    proc = run([PYTHON, FINETUNE, "--describe", *args], timeout=300, check=False)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "sequence_parallel=3 does not divide the 4 attention heads" in errors[0], errors[0]
+    error = one_error(run([PYTHON, FINETUNE, "--describe", *args], timeout=300, check=False))
+    assert "sequence_parallel=3 does not divide the 4 attention heads" in error, error
 
 
 def test_the_other_refusals_name_the_fix():
     # In-process: the check both entry points run after resolving the attention.
-    fc, ft = recipe_module(RECIPE, "finetune_config"), recipe_module(RECIPE, "finetuning")
+    fc, ft = recipe_module(NLP_RECIPE, "finetune_config"), recipe_module(NLP_RECIPE, "finetuning")
     config, cfg = tiny_llama_config(vocab_size=512), fc.FinetuneConfig(sequence_parallel=2)
     with pytest.raises(ConfigError, match="does not divide the 3 rank"):
         ft.check_sequence_parallel(cfg, 3, config, "sdpa")
@@ -123,18 +117,8 @@ def test_the_export_gets_transformers_attention_back():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A 2-layer Llama (4 heads), its BPE tokenizer and a small JSONL task, then the three runs on them."""
-    from transformers import LlamaForCausalLM
-
-    from nlp.data import read_files, stdlib_source_files, train_bpe_tokenizer
-
     root = tmp_path_factory.mktemp("finetune_sp")
-    base = root / "base"
-    files = [f for f in stdlib_source_files() if 8_000 < f.stat().st_size < 40_000][:4]
-    tokenizer = train_bpe_tokenizer(read_files(files), vocab_size=512, out_dir=base)
-    torch.manual_seed(0)
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-    config = tiny_llama_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **ids)
-    LlamaForCausalLM(config).save_pretrained(base, safe_serialization=True)
+    base = save_tiny_llama(root / "base")
     data = root / "count.jsonl"
     write_count_data(data)
     for name, (entry, processes, preset, sp, micro, accum) in RUNS.items():
@@ -142,26 +126,16 @@ def runs(tmp_path_factory):
         args += [f"sequence_parallel={sp}", f"micro_batch_size={micro}", f"grad_accum={accum}"]
         if preset == "finetune":  # ZeRO-3: every adapter matrix partitioned, none kept whole by the threshold
             args.append('ds_overrides=["zero_optimization.stage3_param_persistence_threshold=0"]')
-        if entry == "accelerate":
-            accelerate_launch(FINETUNE_ACCELERATE, args, RECIPE / "accelerate_finetune.yaml", num_processes=processes)
-        else:
-            run([PYTHON, FINETUNE, f"devices={processes}", *args], timeout=600)
+        launch_finetune(entry, processes, args)
     return root
-
-
-def assert_close(found: dict[int, float], expected: dict[int, float], what: str) -> None:
-    assert sorted(found) == list(range(1, STEPS + 1)), f"{what}: {found}"
-    for step, value in found.items():
-        assert math.isclose(value, expected[step], rel_tol=1e-5), f"{what}, step {step}: {found} vs {expected}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in RUNS if name != "reference"])
 def test_sequence_parallel_fine_tunes_like_one_process(runs, name):
     out_dir, reference = runs / name, runs / "reference"
-    losses = train_metric(out_dir, "train_loss")
-    assert_close(losses, train_metric(reference, "train_loss"), f"{name} loss")
-    assert_close(train_metric(out_dir, "grad_norm"), train_metric(reference, "grad_norm"), f"{name} gradient norm")
+    for key in ("train_loss", "grad_norm"):
+        assert_same_metric(out_dir, reference, key, STEPS)
     summary, expected = read_json(out_dir / "summary.json"), read_json(reference / "summary.json")
     assert summary["val_loss"] < summary["initial_val_loss"]  # it trained: the same held-out examples, lower loss
     assert (summary["sequence_parallel"], summary["world_size"], summary["zero_stage"]) == (2, 2, ZERO_STAGE[name])

@@ -13,29 +13,15 @@ agree within 1e-5 relative. The NLP runs also take the recipe's other loss paths
 
 from __future__ import annotations
 
-import math
-
 import pytest
-from _util import PYTHON, REPO, accelerate_launch, run, tiny_fp32_run, train_metric
+from _util import PYTHON, REPO, accelerate_launch, assert_same_metric, recipe_module, run, tiny_fp32_run
 
 STEPS = 3
 NLP_RUN = [*tiny_fp32_run(STEPS), "max_val_tokens=256"]
 CV_RUN = [f"max_steps={STEPS}", "precision=fp32", "micro_batch_size=4", "warmup_steps=2", "log_interval=1"]
-SCIENCE_RUN = [
-    f"max_steps={STEPS}",
-    "precision=fp32",
-    "n_train=40",
-    "n_test=8",
-    "grid_size=64",
-    "solve_grid=256",
-    "modes=8",
-    "width=16",
-    "n_layers=2",
-    "proj_width=32",
-    "micro_batch_size=2",
-    "data_workers=1",
-    "log_interval=1",
-]
+# The science recipe's own smoke run (its SMOKE_OVERRIDES: a small grid and model), at fp32 and STEPS steps.
+SCIENCE_SMOKE = recipe_module(REPO / "recipes" / "science", "science_config").SMOKE_OVERRIDES
+SCIENCE_RUN = [*SCIENCE_SMOKE, f"max_steps={STEPS}", "precision=fp32", "micro_batch_size=2", "log_interval=1"]
 # name: (recipe folder, the run's arguments, grad_accum, the loss key of metrics.jsonl)
 CASES = {
     "nlp_moe_ga2": ("nlp", [*NLP_RUN, "model=moe_tiny", "preset=deepspeed_stage_1"], 2, "train_loss"),
@@ -73,16 +59,9 @@ def runs(tmp_path_factory):
     return get
 
 
-def assert_close(found: dict[int, float], expected: dict[int, float], what: str) -> None:
-    assert sorted(found) == sorted(expected) == list(range(1, STEPS + 1)), f"{what}: {found} vs {expected}"
-    for step, value in found.items():
-        assert math.isclose(value, expected[step], rel_tol=1e-5), f"{what}, step {step}: {found} vs {expected}"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_lightning_and_accelerate_log_the_same_gradient_norm(runs, name):
     lightning, accelerate = runs(name) / "lightning", runs(name) / "accelerate"
-    loss_key = CASES[name][3]
-    assert_close(train_metric(lightning, "grad_norm"), train_metric(accelerate, "grad_norm"), f"{name} grad_norm")
-    assert_close(train_metric(lightning, loss_key), train_metric(accelerate, loss_key), f"{name} {loss_key}")
+    for key in ("grad_norm", CASES[name][3]):
+        assert_same_metric(lightning, accelerate, key, STEPS)

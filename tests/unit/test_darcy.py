@@ -148,15 +148,11 @@ def test_dataset_with_two_workers_equals_one_worker():
     np.testing.assert_array_equal(one["y_test"], two["y_test"])
 
 
-def test_cache_hit_does_not_solve_again_and_records_parameters(tmp_path, monkeypatch):
+def test_cache_hit_does_not_solve_again_and_records_parameters(tmp_path, forbid):
     calls = []
     first = generate_dataset(**SMALL, cache_dir=tmp_path, progress=lambda done, total: calls.append((done, total)))
     assert calls[-1] == (6, 6) and not first["meta"]["cache_hit"]
-
-    def no_solving(*args, **kwargs):
-        raise AssertionError("a cache hit must not run the solver")
-
-    monkeypatch.setattr(darcy, "solve_darcy", no_solving)
+    forbid(darcy, "solve_darcy", "a cache hit must not run the solver")
     second = generate_dataset(**SMALL, cache_dir=tmp_path)
     assert second["meta"]["cache_hit"]
     np.testing.assert_array_equal(first["y_test"], second["y_test"])

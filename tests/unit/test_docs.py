@@ -17,44 +17,44 @@ FENCED = re.compile(r"^```.*?^```", re.M | re.S)
 EXTRA_FINDINGS = {"config-invalid", "config-not-found", "model-facts"}
 
 
-def table_column(markdown: str, header: str) -> list[str]:
-    """The cells under ``header`` in every Markdown table of ``markdown`` that has that column."""
-    cells, column = [], None
-    for line in markdown.splitlines():
-        if not line.startswith("|"):
-            column = None
-            continue
-        row = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if column is None:
-            column = row.index(header) if header in row else -1
-        elif column >= 0 and not set(line) <= set("|-: ") and column < len(row):
-            cells.append(row[column])
-    return cells
+RULE_ID = re.compile(r"`([a-z0-9.-]+)`")
+# Rules documented in prose rather than in a table row; their fixes follow in the same sentence.
+PROSE_RULES = re.compile(r"checked, from the libraries' own documentation: `([a-z0-9.-]+)`")
 
 
-def cited_rules(markdown: str) -> set[str]:
-    """Rule ids in the "lint rule" column (backticked), plus any written as "`id` (FlashAttention ...)" prose."""
-    ids = {rule for cell in table_column(markdown, "lint rule") for rule in re.findall(r"`([a-z0-9.-]+)`", cell)}
-    ids |= set(re.findall(r"checked, from the libraries' own documentation: `([a-z0-9.-]+)`", markdown))
-    return ids
-
-
-def rules_with_a_fix(markdown: str) -> set[str]:
-    """Rule ids in a "lint rule" cell whose row's "fix" cell says what to do (not empty, not "—"), plus the rules
-    documented in prose (``cited_rules``' sentence), whose fixes follow in the sentence."""
-    ids, columns = set(), None
+def table_rows(markdown: str, headers: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The cells under ``headers`` (in that order), one tuple a body row, in every Markdown table of ``markdown``
+    that has all those columns."""
+    rows, columns = [], None
     for line in markdown.splitlines():
         if not line.startswith("|"):
             columns = None
             continue
         row = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if columns is None:
-            columns = (row.index("lint rule"), row.index("fix")) if {"lint rule", "fix"} <= set(row) else ()
+            columns = [row.index(header) for header in headers] if set(headers) <= set(row) else []
         elif columns and not set(line) <= set("|-: ") and max(columns) < len(row):
-            rule_cell, fix_cell = row[columns[0]], row[columns[1]]
-            if fix_cell.strip("— "):
-                ids |= set(re.findall(r"`([a-z0-9.-]+)`", rule_cell))
-    return ids | set(re.findall(r"checked, from the libraries' own documentation: `([a-z0-9.-]+)`", markdown))
+            rows.append(tuple(row[column] for column in columns))
+    return rows
+
+
+def table_column(markdown: str, header: str) -> list[str]:
+    """The cells under ``header`` in every Markdown table of ``markdown`` that has that column."""
+    return [cell for (cell,) in table_rows(markdown, (header,))]
+
+
+def cited_rules(markdown: str) -> set[str]:
+    """Rule ids in the "lint rule" column (backticked), plus any written as "`id` (FlashAttention ...)" prose."""
+    ids = {rule for cell in table_column(markdown, "lint rule") for rule in RULE_ID.findall(cell)}
+    return ids | set(PROSE_RULES.findall(markdown))
+
+
+def rules_with_a_fix(markdown: str) -> set[str]:
+    """Rule ids in a "lint rule" cell whose row's "fix" cell says what to do (not empty, not "—"), plus the rules
+    documented in prose (``cited_rules``' sentence), whose fixes follow in the sentence."""
+    rows = table_rows(markdown, ("lint rule", "fix"))
+    ids = {rule for rule_cell, fix_cell in rows if fix_cell.strip("— ") for rule in RULE_ID.findall(rule_cell)}
+    return ids | set(PROSE_RULES.findall(markdown))
 
 
 def test_table_column_reads_only_that_column():

@@ -9,13 +9,7 @@ import torch
 
 from science.fno import FNO1d, FNO2d, SpectralConv, count_parameters, min_grid_size, relative_l2
 
-
-@pytest.fixture(autouse=True)
-def _few_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # shared 2-core machine
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def small_model(**kwargs) -> FNO2d:

@@ -133,15 +133,11 @@ def test_same_samples_at_another_resolution_come_from_the_same_cache(tmp_path):
         generate_dataset(**{**SMALL, "grid_size": 96}, cache_dir=tmp_path)
 
 
-def test_cache_hit_does_not_solve_again(tmp_path, monkeypatch):
+def test_cache_hit_does_not_solve_again(tmp_path, forbid):
     first = generate_dataset(**SMALL, cache_dir=tmp_path)
     path = first["meta"]["cache_path"]
     assert path.startswith(str(tmp_path)) and path.endswith(".npz")
-
-    def no_solving(*args, **kwargs):
-        raise AssertionError("a cache hit must not run the solver")
-
-    monkeypatch.setattr(burgers, "_solve_all", no_solving)
+    forbid(burgers, "_solve_all", "a cache hit must not run the solver")
     second = generate_dataset(**SMALL, cache_dir=tmp_path)
     assert second["meta"]["cache_hit"]
     np.testing.assert_array_equal(first["y_train"], second["y_train"])

@@ -11,13 +11,7 @@ import torch
 from science.fno import FNO1d, SpectralConv1d, count_parameters, relative_l2
 from science.plots import plot_predictions
 
-
-@pytest.fixture(autouse=True)
-def _few_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # shared 2-core machine
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def small_model(**kwargs) -> FNO1d:
