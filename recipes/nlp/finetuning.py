@@ -30,7 +30,7 @@ from common.activation import apply_activation_checkpointing
 from common.checkpoint import latest_checkpoint, save_hf_model
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
-from common.describe import RecipeDescription, local_world, persistent_elements
+from common.describe import RecipeDescription, local_world
 from common.errors import ConfigError, InputMissing
 from common.memory_formulas import facts_from_model_config
 from common.metrics import all_reduce, memory_kind, peak_memory_bytes, throughput
@@ -571,15 +571,12 @@ def describe(cfg: FinetuneConfig) -> RecipeDescription:
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
     check_sequence_parallel(cfg, world_size, config, cfg.attention)
     facts = facts_from_model_config(config, f"base model {cfg.model}")
-    return RecipeDescription(
-        recipe="nlp:finetune",
-        config=config_to_dict(cfg),
-        world_size=world_size,
+    return RecipeDescription.of(
+        "nlp:finetune",
+        cfg,
         devices_per_node=devices,
         num_nodes=num_nodes,
         ds_config=ds_config,
         model=facts,
         seq_len=cfg.seq_len,
-        micro_batch_size=cfg.micro_batch_size,
-        persistent_params=persistent_elements(facts.param_numels, ds_config),
     )

@@ -29,7 +29,7 @@ from common.activation import apply_activation_checkpointing, enable_offloadable
 from common.checkpoint import gather_full_state_dict, save_hf_model
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
-from common.describe import RecipeDescription, local_world, persistent_elements
+from common.describe import RecipeDescription, local_world
 from common.lint import lint_at_start
 from common.memory_formulas import facts_from_model_config
 from common.metrics import Clock, all_reduce, gpu_peak_flops, memory_kind, mfu, peak_memory_bytes, throughput
@@ -311,17 +311,14 @@ def describe(cfg: NLPConfig, pipeline_engine: bool = False) -> RecipeDescription
     facts = facts_from_model_config(config, source=f"recipe nlp (model={cfg.model})")
     ds_config = deepspeed_config(cfg, world_size, config.hidden_size)
     run_layout(cfg, world_size, config, ds_config, pipeline_engine)
-    return RecipeDescription(
-        recipe="nlp",
-        config=config_to_dict(cfg),
-        world_size=world_size,
+    return RecipeDescription.of(
+        "nlp",
+        cfg,
         devices_per_node=devices,
         num_nodes=num_nodes,
         ds_config=ds_config,
         model=facts,
         seq_len=cfg.seq_len,
-        micro_batch_size=cfg.micro_batch_size,
-        persistent_params=persistent_elements(facts.param_numels, ds_config),
         parallel_components="deepspeed",
     )
 
