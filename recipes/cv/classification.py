@@ -109,15 +109,7 @@ def build_model(cfg: CVConfig, data: ImageData) -> torch.nn.Module:
 
 def deepspeed_config(cfg: CVConfig, world_size: int, hidden_size: int | None) -> dict[str, Any]:
     """The factory's DeepSpeed dict for this run (buckets scaled to the model's width)."""
-    facts = RunFacts(
-        world_size=world_size,
-        micro_batch_size=cfg.micro_batch_size,
-        grad_accum=cfg.grad_accum,
-        precision=cfg.precision,
-        hidden_size=hidden_size,
-        gradient_clipping=cfg.gradient_clipping,
-        nvme_path=cfg.nvme_path or None,
-    )
+    facts = RunFacts.of_recipe(cfg, world_size, hidden_size)
     return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
 
 

@@ -184,15 +184,7 @@ def build_model(cfg: ScienceConfig, scaling: dict[str, float] | None = None) -> 
 
 def deepspeed_config(cfg: ScienceConfig, world_size: int) -> dict[str, Any]:
     """The factory's DeepSpeed dict for this run (buckets scaled to the FNO width)."""
-    facts = RunFacts(
-        world_size=world_size,
-        micro_batch_size=cfg.micro_batch_size,
-        grad_accum=cfg.grad_accum,
-        precision=cfg.precision,
-        hidden_size=cfg.width,
-        gradient_clipping=cfg.gradient_clipping,
-        nvme_path=cfg.nvme_path or None,
-    )
+    facts = RunFacts.of_recipe(cfg, world_size, cfg.width)
     return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
 
 
