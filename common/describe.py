@@ -55,11 +55,9 @@ class RecipeDescription:
         cls,
         recipe: str,
         cfg: Any,
-        *,
-        devices_per_node: int,
-        num_nodes: int,
         ds_config: dict[str, Any],
         model: ModelFacts,
+        *,
         seq_len: int | None,
         parallel_components: str = "any",
     ) -> RecipeDescription:
@@ -67,18 +65,18 @@ class RecipeDescription:
 
         Args:
             recipe: the recipe's name.
-            cfg: the recipe's config dataclass (its ``micro_batch_size`` is read; all of it is recorded).
-            devices_per_node: ranks on one node, resolved (:func:`local_world`).
-            num_nodes: nodes.
+            cfg: the recipe's config dataclass (its ``devices``, ``num_nodes`` and ``micro_batch_size`` are read; all
+                of it is recorded).
             ds_config: the factory's resolved DeepSpeed dict for this run.
             model: the model facts the recipe counted.
             seq_len: tokens per sample; None when the model is not a sequence model.
             parallel_components: see the class's attributes.
 
         Returns:
-            The description, with the world size (devices x nodes) and the parameters ZeRO-3 keeps whole on
-            every rank (:func:`persistent_elements`) filled in.
+            The description, with the world size (devices x nodes, :func:`local_world`) and the parameters ZeRO-3
+            keeps whole on every rank (:func:`persistent_elements`) filled in.
         """
+        devices_per_node, num_nodes = local_world(cfg.devices, cfg.num_nodes)
         return cls(
             recipe=recipe,
             config=config_to_dict(cfg),

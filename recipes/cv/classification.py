@@ -223,9 +223,7 @@ def describe(cfg: CVConfig) -> RecipeDescription:
     hidden = getattr(config, "hidden_size", None)
     facts = facts_from_module(model, architecture=config.model_type, hidden_size=hidden, recipe="cv")
     ds_config = deepspeed_config(cfg, devices * num_nodes, hidden)
-    return RecipeDescription.of(
-        "cv", cfg, devices_per_node=devices, num_nodes=num_nodes, ds_config=ds_config, model=facts, seq_len=None
-    )
+    return RecipeDescription.of("cv", cfg, ds_config, facts, seq_len=None)
 
 
 # --- run files -----------------------------------------------------------------------------------

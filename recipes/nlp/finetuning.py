@@ -563,12 +563,4 @@ def describe(cfg: FinetuneConfig) -> RecipeDescription:
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
     check_sequence_parallel(cfg, world_size, config, cfg.attention)
     facts = facts_from_model_config(config, f"base model {cfg.model}")
-    return RecipeDescription.of(
-        "nlp:finetune",
-        cfg,
-        devices_per_node=devices,
-        num_nodes=num_nodes,
-        ds_config=ds_config,
-        model=facts,
-        seq_len=cfg.seq_len,
-    )
+    return RecipeDescription.of("nlp:finetune", cfg, ds_config, facts, seq_len=cfg.seq_len)

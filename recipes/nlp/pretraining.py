@@ -303,16 +303,7 @@ def describe(cfg: NLPConfig, pipeline_engine: bool = False) -> RecipeDescription
     facts = facts_from_model_config(config, source=f"recipe nlp (model={cfg.model})")
     ds_config = deepspeed_config(cfg, world_size, config.hidden_size)
     run_layout(cfg, world_size, config, ds_config, pipeline_engine)
-    return RecipeDescription.of(
-        "nlp",
-        cfg,
-        devices_per_node=devices,
-        num_nodes=num_nodes,
-        ds_config=ds_config,
-        model=facts,
-        seq_len=cfg.seq_len,
-        parallel_components="deepspeed",
-    )
+    return RecipeDescription.of("nlp", cfg, ds_config, facts, seq_len=cfg.seq_len, parallel_components="deepspeed")
 
 
 # --- run files -----------------------------------------------------------------------------------

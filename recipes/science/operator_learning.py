@@ -268,9 +268,7 @@ def describe(cfg: ScienceConfig) -> RecipeDescription:
         model = fno(cfg)
     facts = facts_from_module(model, architecture=type(model).__name__, hidden_size=cfg.width, recipe="science")
     ds_config = deepspeed_config(cfg, devices * num_nodes)
-    return RecipeDescription.of(
-        "science", cfg, devices_per_node=devices, num_nodes=num_nodes, ds_config=ds_config, model=facts, seq_len=None
-    )
+    return RecipeDescription.of("science", cfg, ds_config, facts, seq_len=None)
 
 
 # --- run files -----------------------------------------------------------------------------------
