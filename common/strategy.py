@@ -138,12 +138,12 @@ class RunFacts:
             raise ConfigError(f"gradient_clipping must be a number >= 0, got {self.gradient_clipping!r}")
 
     @classmethod
-    def of_recipe(cls, cfg: Any, world_size: int, hidden_size: int | None) -> RunFacts:
-        """The facts of a recipe's run, read from its config's fields of the same names.
+    def from_fields(cls, cfg: Any, world_size: int, hidden_size: int | None) -> RunFacts:
+        """The facts of a run, read from the fields of the same names of a recipe's config or the CLI's arguments.
 
         Args:
-            cfg: a recipe's config dataclass (``micro_batch_size``, ``grad_accum``, ``precision``,
-                ``gradient_clipping``, ``nvme_path``; an empty ``nvme_path`` is none).
+            cfg: a recipe's config dataclass or ``zero-recipes config``'s arguments (``micro_batch_size``,
+                ``grad_accum``, ``precision``, ``gradient_clipping``, ``nvme_path``; an empty ``nvme_path`` is none).
             world_size: ranks in the run.
             hidden_size: the model's width; None when it has none.
 

@@ -109,7 +109,7 @@ def build_model(cfg: CVConfig, data: ImageData) -> torch.nn.Module:
 
 def deepspeed_config(cfg: CVConfig, world_size: int, hidden_size: int | None) -> dict[str, Any]:
     """The factory's DeepSpeed dict for this run (buckets scaled to the model's width)."""
-    facts = RunFacts.of_recipe(cfg, world_size, hidden_size)
+    facts = RunFacts.from_fields(cfg, world_size, hidden_size)
     return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
 
 

@@ -114,7 +114,7 @@ def resolve_attention_or_exit(cfg: FinetuneConfig, device_type: str) -> str:
 
 def resolve_ds_config(cfg: FinetuneConfig, world_size: int, hidden_size: int) -> dict[str, Any]:
     """The factory's DeepSpeed dict for this run (buckets and persistence threshold scaled to the hidden size)."""
-    facts = RunFacts.of_recipe(cfg, world_size, hidden_size)
+    facts = RunFacts.from_fields(cfg, world_size, hidden_size)
     return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
 
 

@@ -156,7 +156,7 @@ def hidden_size(cfg: NLPConfig) -> int:
 
 def deepspeed_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[str, Any]:
     """The factory's DeepSpeed dict for this run (buckets scaled to the hidden size)."""
-    facts = RunFacts.of_recipe(cfg, world_size, hidden_size)
+    facts = RunFacts.from_fields(cfg, world_size, hidden_size)
     ds_config = resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
     if cfg.tensor_parallel > 1:  # AutoTP shards the model inside deepspeed.initialize
         ds_config["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel}

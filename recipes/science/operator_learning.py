@@ -184,7 +184,7 @@ def build_model(cfg: ScienceConfig, scaling: dict[str, float] | None = None) -> 
 
 def deepspeed_config(cfg: ScienceConfig, world_size: int) -> dict[str, Any]:
     """The factory's DeepSpeed dict for this run (buckets scaled to the FNO width)."""
-    facts = RunFacts.of_recipe(cfg, world_size, cfg.width)
+    facts = RunFacts.from_fields(cfg, world_size, cfg.width)
     return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
 
 
