@@ -28,6 +28,24 @@ import torch
 from common.memory_formulas import predicted_model_state_bytes  # noqa: F401
 
 
+def category_totals(counted: dict[tuple[int, int], str]) -> dict[str, int]:
+    """Bytes by category from each counted storage, plus ``model_states`` (params + grads + optimizer) and ``total``.
+
+    Args:
+        counted: ``(data pointer, bytes) -> category`` (``params``, ``grads``, ``optimizer`` or ``buffers``), each
+            storage once.
+
+    Returns:
+        The keys of :func:`model_state_bytes`, shared by the DeepSpeed and the FSDP2 counts.
+    """
+    totals = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
+    for (_, nbytes), category in counted.items():
+        totals[category] += nbytes
+    totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer"]
+    totals["total"] = totals["model_states"] + totals["buffers"]
+    return totals
+
+
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
     try:
         storage = tensor.untyped_storage()
@@ -133,9 +151,4 @@ def model_state_bytes(engine: Any) -> dict[str, int]:
         for tensor in _walk_tensors(ds_optimizer, depth=4, seen=set()):
             add(tensor, "buffers")
 
-    totals = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
-    for (_, nbytes), category in counted.items():
-        totals[category] += nbytes
-    totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer"]
-    totals["total"] = totals["model_states"] + totals["buffers"]
-    return totals
+    return category_totals(counted)

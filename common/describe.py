@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from common.config import config_to_dict
 from common.memory_formulas import ModelFacts
 
 
@@ -48,6 +49,47 @@ class RecipeDescription:
     micro_batch_size: int
     persistent_params: int = 0
     parallel_components: str = "any"
+
+    @classmethod
+    def of(
+        cls,
+        recipe: str,
+        cfg: Any,
+        ds_config: dict[str, Any],
+        model: ModelFacts,
+        *,
+        seq_len: int | None,
+        parallel_components: str = "any",
+    ) -> RecipeDescription:
+        """The description of a recipe's run: what every recipe derives the same way is derived here.
+
+        Args:
+            recipe: the recipe's name.
+            cfg: the recipe's config dataclass (its ``devices``, ``num_nodes`` and ``micro_batch_size`` are read; all
+                of it is recorded).
+            ds_config: the factory's resolved DeepSpeed dict for this run.
+            model: the model facts the recipe counted.
+            seq_len: tokens per sample; None when the model is not a sequence model.
+            parallel_components: see the class's attributes.
+
+        Returns:
+            The description, with the world size (devices x nodes, :func:`local_world`) and the parameters ZeRO-3
+            keeps whole on every rank (:func:`persistent_elements`) filled in.
+        """
+        devices_per_node, num_nodes = local_world(cfg.devices, cfg.num_nodes)
+        return cls(
+            recipe=recipe,
+            config=config_to_dict(cfg),
+            world_size=devices_per_node * num_nodes,
+            devices_per_node=devices_per_node,
+            num_nodes=num_nodes,
+            ds_config=ds_config,
+            model=model,
+            seq_len=seq_len,
+            micro_batch_size=cfg.micro_batch_size,
+            persistent_params=persistent_elements(model.param_numels, ds_config),
+            parallel_components=parallel_components,
+        )
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from common.accounting import category_totals
 from common.activation import find_blocks
 from common.async_checkpoint import WRITE_DELAY_ENV, Checkpointer, fsync_tree
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
@@ -553,12 +554,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
             for fsdp_param in _fsdp_params(module):
                 add(getattr(fsdp_param, "_unsharded_param", None), "buffers")
 
-    totals = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
-    for (_, nbytes), category in counted.items():
-        totals[category] += nbytes
-    totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer"]
-    totals["total"] = totals["model_states"] + totals["buffers"]
-    return totals
+    return category_totals(counted)
 
 
 def _fsdp_params(module: FSDPModule) -> list[Any]:

@@ -22,6 +22,25 @@ FROM_MODEL = "from_model"
 # Sentinel for "the factory derives this from the run's layout" (devices per node; see strategy.hpz_partition_size).
 FROM_LAYOUT = "from_layout"
 
+# The zero_optimization fields every stage-2 preset shares: gradient reduction overlapped with the backward pass,
+# gradients copied into one contiguous buffer (no fragmentation), averaged by reduce-scatter, and the updated
+# partitions gathered by all-gather (not broadcast). A preset adds its own fields after these.
+STAGE_2_ZERO: dict[str, Any] = {
+    "overlap_comm": True,
+    "contiguous_gradients": True,
+    "reduce_scatter": True,
+    "allgather_partitions": True,
+}
+# The same for stage 3, plus the two sizes the factory scales to the model: parameters small enough to stay whole on
+# every rank, and how many elements to all-gather ahead of the layer that needs them.
+STAGE_3_ZERO: dict[str, Any] = {
+    "overlap_comm": True,
+    "contiguous_gradients": True,
+    "reduce_scatter": True,
+    "stage3_param_persistence_threshold": FROM_MODEL,
+    "stage3_prefetch_bucket_size": FROM_MODEL,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     # --- generic ladder (stage 1 -> 2 -> 3 -> offload, fastest first, measured at each step) -------
     "ddp": {
@@ -37,44 +56,26 @@ PRESETS: dict[str, dict[str, Any]] = {
     "deepspeed_stage_2": {
         "why": "Shards gradients too (2K + 14K/N); DeepSpeed 0.19 reduces buckets each micro-batch, stage 3's bytes.",
         "stage": 2,
-        "zero_optimization": {
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-            "allgather_partitions": True,
-        },
+        "zero_optimization": STAGE_2_ZERO,
     },
     "deepspeed_stage_2_offload": {
         "why": "Stage 2 with optimizer states in host RAM: the first offload to try (12 B/param leave the GPU).",
         "stage": 2,
         "zero_optimization": {
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-            "allgather_partitions": True,
+            **STAGE_2_ZERO,
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
         },
     },
     "deepspeed_stage_3": {
         "why": "Shards parameters too (16K/N); an all-gather per layer, use only when stage 2 does not fit.",
         "stage": 3,
-        "zero_optimization": {
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-            "stage3_param_persistence_threshold": FROM_MODEL,
-            "stage3_prefetch_bucket_size": FROM_MODEL,
-        },
+        "zero_optimization": STAGE_3_ZERO,
     },
     "deepspeed_stage_3_offload": {
         "why": "Stage 3 with optimizer and parameters in host RAM: about 0.70x throughput, the last resort but NVMe.",
         "stage": 3,
         "zero_optimization": {
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-            "stage3_param_persistence_threshold": FROM_MODEL,
-            "stage3_prefetch_bucket_size": FROM_MODEL,
+            **STAGE_3_ZERO,
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "offload_param": {"device": "cpu", "pin_memory": True},
         },
@@ -83,10 +84,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "why": "Stage 3 with optimizer and parameters on NVMe (2-4 GB/s): fits the most, trains the slowest.",
         "stage": 3,
         "zero_optimization": {
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-            "stage3_param_persistence_threshold": FROM_MODEL,
+            **STAGE_3_ZERO,
             # No prefetch: DeepSpeed 0.19.8 prefetching NVMe partitions under Accelerate stops at the second forward
             # with "param N already assigned swap buffer id M" (tests/distributed/test_nvme_offload.py); with 0 it
             # trains on both backends. Costs the overlap of the next layer's disk read with this layer's compute.
@@ -131,11 +129,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "why": "Stage 3 + ZeRO++: int8 weight all-gather, node-local weight copy, int4 gradients (4x less traffic).",
         "stage": 3,
         "zero_optimization": {
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-            "stage3_param_persistence_threshold": FROM_MODEL,
-            "stage3_prefetch_bucket_size": FROM_MODEL,
+            **STAGE_3_ZERO,
             # qwZ: block-quantized int8 weights in the forward all-gather, half of the 16-bit bytes (ZeRO++ tutorial).
             # Needs DeepSpeed's CUDA quantizer: lint refuses it on a CPU.
             "zero_quantized_weights": True,
@@ -150,22 +144,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cv": {
         "why": "Vision (Swin-like): parameters spread evenly with no giant tensor, so stage 2, not 3.",
         "stage": 2,
-        "zero_optimization": {
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-            "allgather_partitions": True,
-        },
+        "zero_optimization": STAGE_2_ZERO,
     },
     "nlp": {
         "why": "Language models: huge embeddings need stage 3; params under 1e6 elements stay resident.",
         "stage": 3,
         "zero_optimization": {
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
+            **STAGE_3_ZERO,
             "stage3_param_persistence_threshold": 1_000_000,
-            "stage3_prefetch_bucket_size": FROM_MODEL,
         },
     },
     "science": {
@@ -174,10 +160,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "precision": "bf16",
         "forbid_fp16": True,
         "zero_optimization": {
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-            "allgather_partitions": True,
+            **STAGE_2_ZERO,
             # DeepSpeed documents round_robin_gradients as an offload optimisation; the usual advice
             # for scientific models keeps it anyway and it is harmless without offload (lint reports it as info).
             "round_robin_gradients": True,
@@ -187,11 +170,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "why": "LoRA fine-tuning on a big frozen base: stage 3 shards the base, adapters stay whole.",
         "stage": 3,
         "zero_optimization": {
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-            "stage3_param_persistence_threshold": FROM_MODEL,
-            "stage3_prefetch_bucket_size": FROM_MODEL,
+            **STAGE_3_ZERO,
             # Saving adapters and the merged model needs whole weights on rank 0.
             "stage3_gather_16bit_weights_on_model_save": True,
         },

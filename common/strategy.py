@@ -137,6 +137,29 @@ class RunFacts:
         if not isinstance(self.gradient_clipping, int | float) or self.gradient_clipping < 0:
             raise ConfigError(f"gradient_clipping must be a number >= 0, got {self.gradient_clipping!r}")
 
+    @classmethod
+    def from_fields(cls, cfg: Any, world_size: int, hidden_size: int | None) -> RunFacts:
+        """The facts of a run, read from the fields of the same names of a recipe's config or the CLI's arguments.
+
+        Args:
+            cfg: a recipe's config dataclass or ``zero-recipes config``'s arguments (``micro_batch_size``,
+                ``grad_accum``, ``precision``, ``gradient_clipping``, ``nvme_path``; an empty ``nvme_path`` is none).
+            world_size: ranks in the run.
+            hidden_size: the model's width; None when it has none.
+
+        Returns:
+            The facts :func:`resolve_deepspeed_config` fills the preset from.
+        """
+        return cls(
+            world_size=world_size,
+            micro_batch_size=cfg.micro_batch_size,
+            grad_accum=cfg.grad_accum,
+            precision=cfg.precision,
+            hidden_size=hidden_size,
+            gradient_clipping=cfg.gradient_clipping,
+            nvme_path=cfg.nvme_path or None,
+        )
+
 
 def bucket_elements(hidden_size: int | None) -> int:
     """Communication bucket size in elements, scaled to the model.

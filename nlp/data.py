@@ -15,7 +15,7 @@ import os
 import random
 import sysconfig
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,21 +160,32 @@ def read_files(files: Iterable[Path | str]) -> list[str]:
     return [_read_text_file(Path(f)) for f in files]
 
 
-def _read_jsonl_texts(path: Path, text_field: str) -> list[str]:
-    texts = []
-    for lineno, line in enumerate(_read_text_file(path).splitlines(), start=1):
+def jsonl_objects(text: str, path: Path) -> Iterator[tuple[str, dict]]:
+    """The JSON objects of a JSON Lines file's text, each with where it stands (``file:line``); blank lines skipped.
+
+    Raises:
+        DataError: Naming the file and line of a line that is not JSON or not a JSON object.
+    """
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        where = f"{path}:{lineno}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+            raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
         if not isinstance(record, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        yield where, record
+
+
+def _read_jsonl_texts(path: Path, text_field: str) -> list[str]:
+    texts = []
+    for where, record in jsonl_objects(_read_text_file(path), path):
         if text_field not in record:
-            raise DataError(f"{path}:{lineno}: no {text_field!r} field (fields: {', '.join(sorted(record)) or 'none'})")
+            raise DataError(f"{where}: no {text_field!r} field (fields: {', '.join(sorted(record)) or 'none'})")
         if not isinstance(record[text_field], str):
-            raise DataError(f"{path}:{lineno}: field {text_field!r} is {type(record[text_field]).__name__}, not text")
+            raise DataError(f"{where}: field {text_field!r} is {type(record[text_field]).__name__}, not text")
         texts.append(record[text_field])
     return texts
 

@@ -8,7 +8,6 @@ the ``def`` lines come from the standard library, the same text the NLP recipe p
 from __future__ import annotations
 
 import ast
-import json
 import random
 import re
 from collections import Counter, defaultdict
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from nlp.data import DataError, read_files
+from nlp.data import DataError, jsonl_objects, read_files
 
 ARG_COUNT_INSTRUCTION = "How many arguments does this function take?"
 IGNORE_INDEX = -100
@@ -178,20 +177,11 @@ def load_instruction_jsonl(path: str | Path) -> list[Example]:
     if not file.is_file():
         raise DataError(f"instruction file not found: {file}")
     try:
-        lines = file.read_text(encoding="utf-8").splitlines()
+        text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{file}: cannot read file ({exc})") from exc
     examples = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{file}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
-        if not isinstance(record, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for where, record in jsonl_objects(text, file):
         examples.append(_chat_example(record, where) if "messages" in record else _alpaca_example(record, where))
     if not examples:
         raise DataError(f"{file}: no examples (the file is empty)")

@@ -123,6 +123,29 @@ def param_numels(model: Any) -> tuple[int, ...]:
     return tuple({id(p): p.numel() for p in model.parameters()}.values())
 
 
+def facts_from_module(model: Any, *, architecture: str, hidden_size: int | None, recipe: str) -> ModelFacts:
+    """Model facts of a module a recipe built on the ``meta`` device (exact counts, no memory used).
+
+    Args:
+        model: the ``torch.nn.Module``, usually on ``meta``.
+        architecture: what the planner is told the model is (not ``transformer``: its activations are not estimated).
+        hidden_size: the model's width, which scales the presets' bucket sizes; None when it has none.
+        recipe: the recipe's name, for the facts' source.
+
+    Returns:
+        The parameter counts (shared ones once), each parameter's size and where they come from.
+    """
+    total, largest = count_module(model)
+    return ModelFacts(
+        num_params=total,
+        largest_layer_params=largest,
+        architecture=architecture,
+        hidden_size=hidden_size,
+        param_numels=param_numels(model),
+        source=f"recipe {recipe} ({type(model).__name__}, counted on the meta device)",
+    )
+
+
 def expert_numel(model: Any) -> int:
     """Parameters of routed experts: those under a module named ``experts`` (Mixtral's ``mlp.experts``, Qwen-MoE's
     ``mlp.experts``; a shared expert, ``shared_expert``, is dense), shared parameters once."""

@@ -52,15 +52,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the resolved DeepSpeed JSON, or write the accelerate YAML + JSON pair."""
-    facts = RunFacts(
-        world_size=args.world_size,
-        micro_batch_size=args.micro_batch_size,
-        grad_accum=args.grad_accum,
-        precision=args.precision,
-        hidden_size=args.hidden_size,
-        gradient_clipping=args.gradient_clipping,
-        nvme_path=args.nvme_path,
-    )
+    facts = RunFacts.from_fields(args, args.world_size, args.hidden_size)
     ds_config = resolve_deepspeed_config(args.preset, facts, parse_overrides(args.set))
     if args.nvme_path and not nvme_offloaded(ds_config):
         raise ConfigError(

@@ -25,9 +25,9 @@ from common.activation import apply_activation_checkpointing
 from common.checkpoint import gather_full_state_dict, save_hf_model
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
-from common.describe import RecipeDescription, local_world, persistent_elements
+from common.describe import RecipeDescription, local_world
 from common.lint import lint_at_start
-from common.memory_formulas import ModelFacts, count_module, param_numels
+from common.memory_formulas import facts_from_module
 from common.metrics import Clock, all_reduce, memory_kind, peak_memory_bytes, throughput
 from common.model_folder import check_weight_files
 from common.rundir import MetricsLog, env_info, write_json_atomic, write_text_atomic
@@ -109,15 +109,7 @@ def build_model(cfg: CVConfig, data: ImageData) -> torch.nn.Module:
 
 def deepspeed_config(cfg: CVConfig, world_size: int, hidden_size: int | None) -> dict[str, Any]:
     """The factory's DeepSpeed dict for this run (buckets scaled to the model's width)."""
-    facts = RunFacts(
-        world_size=world_size,
-        micro_batch_size=cfg.micro_batch_size,
-        grad_accum=cfg.grad_accum,
-        precision=cfg.precision,
-        hidden_size=hidden_size,
-        gradient_clipping=cfg.gradient_clipping,
-        nvme_path=cfg.nvme_path or None,
-    )
+    facts = RunFacts.from_fields(cfg, world_size, hidden_size)
     return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
 
 
@@ -228,30 +220,10 @@ def describe(cfg: CVConfig) -> RecipeDescription:
     config = read_model_config(cfg)
     with torch.device("meta"):
         model = AutoModelForImageClassification.from_config(config, trust_remote_code=cfg.trust_remote_code)
-    total, largest = count_module(model)
-    numels = param_numels(model)
     hidden = getattr(config, "hidden_size", None)
-    facts = ModelFacts(
-        num_params=total,
-        largest_layer_params=largest,
-        architecture=config.model_type,
-        hidden_size=hidden,
-        param_numels=numels,
-        source=f"recipe cv ({type(model).__name__}, counted on the meta device)",
-    )
+    facts = facts_from_module(model, architecture=config.model_type, hidden_size=hidden, recipe="cv")
     ds_config = deepspeed_config(cfg, devices * num_nodes, hidden)
-    return RecipeDescription(
-        recipe="cv",
-        config=config_to_dict(cfg),
-        world_size=devices * num_nodes,
-        devices_per_node=devices,
-        num_nodes=num_nodes,
-        ds_config=ds_config,
-        model=facts,
-        seq_len=None,
-        micro_batch_size=cfg.micro_batch_size,
-        persistent_params=persistent_elements(numels, ds_config),
-    )
+    return RecipeDescription.of("cv", cfg, ds_config, facts, seq_len=None)
 
 
 # --- run files -----------------------------------------------------------------------------------

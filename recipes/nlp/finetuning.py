@@ -30,7 +30,7 @@ from common.activation import apply_activation_checkpointing
 from common.checkpoint import latest_checkpoint, save_hf_model
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
-from common.describe import RecipeDescription, local_world, persistent_elements
+from common.describe import RecipeDescription, local_world
 from common.errors import ConfigError, InputMissing
 from common.memory_formulas import facts_from_model_config
 from common.metrics import all_reduce, memory_kind, peak_memory_bytes, throughput
@@ -114,15 +114,7 @@ def resolve_attention_or_exit(cfg: FinetuneConfig, device_type: str) -> str:
 
 def resolve_ds_config(cfg: FinetuneConfig, world_size: int, hidden_size: int) -> dict[str, Any]:
     """The factory's DeepSpeed dict for this run (buckets and persistence threshold scaled to the hidden size)."""
-    facts = RunFacts(
-        world_size=world_size,
-        micro_batch_size=cfg.micro_batch_size,
-        grad_accum=cfg.grad_accum,
-        precision=cfg.precision,
-        hidden_size=hidden_size,
-        gradient_clipping=cfg.gradient_clipping,
-        nvme_path=cfg.nvme_path or None,
-    )
+    facts = RunFacts.from_fields(cfg, world_size, hidden_size)
     return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
 
 
@@ -571,15 +563,4 @@ def describe(cfg: FinetuneConfig) -> RecipeDescription:
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
     check_sequence_parallel(cfg, world_size, config, cfg.attention)
     facts = facts_from_model_config(config, f"base model {cfg.model}")
-    return RecipeDescription(
-        recipe="nlp:finetune",
-        config=config_to_dict(cfg),
-        world_size=world_size,
-        devices_per_node=devices,
-        num_nodes=num_nodes,
-        ds_config=ds_config,
-        model=facts,
-        seq_len=cfg.seq_len,
-        micro_batch_size=cfg.micro_batch_size,
-        persistent_params=persistent_elements(facts.param_numels, ds_config),
-    )
+    return RecipeDescription.of("nlp:finetune", cfg, ds_config, facts, seq_len=cfg.seq_len)

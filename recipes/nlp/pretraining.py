@@ -29,7 +29,7 @@ from common.activation import apply_activation_checkpointing, enable_offloadable
 from common.checkpoint import gather_full_state_dict, save_hf_model
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
-from common.describe import RecipeDescription, local_world, persistent_elements
+from common.describe import RecipeDescription, local_world
 from common.lint import lint_at_start
 from common.memory_formulas import facts_from_model_config
 from common.metrics import Clock, all_reduce, gpu_peak_flops, memory_kind, mfu, peak_memory_bytes, throughput
@@ -156,15 +156,7 @@ def hidden_size(cfg: NLPConfig) -> int:
 
 def deepspeed_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[str, Any]:
     """The factory's DeepSpeed dict for this run (buckets scaled to the hidden size)."""
-    facts = RunFacts(
-        world_size=world_size,
-        micro_batch_size=cfg.micro_batch_size,
-        grad_accum=cfg.grad_accum,
-        precision=cfg.precision,
-        hidden_size=hidden_size,
-        gradient_clipping=cfg.gradient_clipping,
-        nvme_path=cfg.nvme_path or None,
-    )
+    facts = RunFacts.from_fields(cfg, world_size, hidden_size)
     ds_config = resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
     if cfg.tensor_parallel > 1:  # AutoTP shards the model inside deepspeed.initialize
         ds_config["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel}
@@ -311,19 +303,7 @@ def describe(cfg: NLPConfig, pipeline_engine: bool = False) -> RecipeDescription
     facts = facts_from_model_config(config, source=f"recipe nlp (model={cfg.model})")
     ds_config = deepspeed_config(cfg, world_size, config.hidden_size)
     run_layout(cfg, world_size, config, ds_config, pipeline_engine)
-    return RecipeDescription(
-        recipe="nlp",
-        config=config_to_dict(cfg),
-        world_size=world_size,
-        devices_per_node=devices,
-        num_nodes=num_nodes,
-        ds_config=ds_config,
-        model=facts,
-        seq_len=cfg.seq_len,
-        micro_batch_size=cfg.micro_batch_size,
-        persistent_params=persistent_elements(facts.param_numels, ds_config),
-        parallel_components="deepspeed",
-    )
+    return RecipeDescription.of("nlp", cfg, ds_config, facts, seq_len=cfg.seq_len, parallel_components="deepspeed")
 
 
 # --- run files -----------------------------------------------------------------------------------

@@ -24,10 +24,10 @@ from common.activation import apply_activation_checkpointing
 from common.checkpoint import gather_full_state_dict
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
-from common.describe import RecipeDescription, local_world, persistent_elements
+from common.describe import RecipeDescription, local_world
 from common.errors import ConfigError, nearest
 from common.lint import lint_at_start
-from common.memory_formulas import ModelFacts, count_module, param_numels
+from common.memory_formulas import facts_from_module
 from common.metrics import Clock, all_reduce, memory_kind, peak_memory_bytes, throughput
 from common.rundir import MetricsLog, env_info, write_json_atomic, write_text_atomic
 from common.strategy import (
@@ -184,15 +184,7 @@ def build_model(cfg: ScienceConfig, scaling: dict[str, float] | None = None) -> 
 
 def deepspeed_config(cfg: ScienceConfig, world_size: int) -> dict[str, Any]:
     """The factory's DeepSpeed dict for this run (buckets scaled to the FNO width)."""
-    facts = RunFacts(
-        world_size=world_size,
-        micro_batch_size=cfg.micro_batch_size,
-        grad_accum=cfg.grad_accum,
-        precision=cfg.precision,
-        hidden_size=cfg.width,
-        gradient_clipping=cfg.gradient_clipping,
-        nvme_path=cfg.nvme_path or None,
-    )
+    facts = RunFacts.from_fields(cfg, world_size, cfg.width)
     return resolve_deepspeed_config(cfg.preset, facts, parse_overrides(cfg.ds_overrides))
 
 
@@ -274,29 +266,9 @@ def describe(cfg: ScienceConfig) -> RecipeDescription:
     devices, num_nodes = local_world(cfg.devices, cfg.num_nodes)
     with torch.device("meta"):
         model = fno(cfg)
-    total, largest = count_module(model)
-    numels = param_numels(model)
-    facts = ModelFacts(
-        num_params=total,
-        largest_layer_params=largest,
-        architecture=type(model).__name__,
-        hidden_size=cfg.width,
-        param_numels=numels,
-        source=f"recipe science ({type(model).__name__}, counted on the meta device)",
-    )
+    facts = facts_from_module(model, architecture=type(model).__name__, hidden_size=cfg.width, recipe="science")
     ds_config = deepspeed_config(cfg, devices * num_nodes)
-    return RecipeDescription(
-        recipe="science",
-        config=config_to_dict(cfg),
-        world_size=devices * num_nodes,
-        devices_per_node=devices,
-        num_nodes=num_nodes,
-        ds_config=ds_config,
-        model=facts,
-        seq_len=None,
-        micro_batch_size=cfg.micro_batch_size,
-        persistent_params=persistent_elements(numels, ds_config),
-    )
+    return RecipeDescription.of("science", cfg, ds_config, facts, seq_len=None)
 
 
 # --- run files -----------------------------------------------------------------------------------

@@ -154,5 +154,6 @@ def test_model_state_bytes_count_what_the_tensors_hold():
     num_params = sum(p.numel() for p in model.parameters())
     state = model_state_bytes(model, optimizer)
     assert (state["params"], state["grads"], state["optimizer"]) == (4 * num_params, 0, 8 * num_params)
+    assert (state["buffers"], state["model_states"], state["total"]) == (0, 12 * num_params, 12 * num_params)
     model(torch.randn(2, 4)).sum().backward()
     assert model_state_bytes(model, optimizer)["grads"] == 4 * num_params
