@@ -20,7 +20,6 @@ section of docs/benchmarks.md is rendered from it by ``render_sections``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -29,11 +28,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repository, when not installed
 from bench._bench_util import (  # noqa: E402
+    bench_parser,
     environment,
     launch_group,
-    load_document,
     median,
-    publish_sections,
+    publish_document,
+    render_from_file,
     rotated,
     spread,
     table_head,
@@ -166,21 +166,19 @@ def render_sections(document: dict) -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12, help=f"optimizer steps per group, the first {WARMUP} warm-up")
-    parser.add_argument("--render", action="store_true", help="re-render docs/benchmarks.md from the results file")
     args = parser.parse_args()
     if args.render:
-        document = load_document(RESULTS)
-        publish_sections(render_sections(document), document["provenance"], {})
+        render_from_file(RESULTS, render_sections)
         return
     if args.reps < 1 or args.steps <= WARMUP:
         parser.error(f"need --reps >= 1 and --steps > {WARMUP} (the warm-up steps)")
     results = {"preset": PRESET, "reps": args.reps, "steps": args.steps, "warmup": WARMUP}
     results["runs"] = measure(args.reps, args.steps)
     document = write_results(RESULTS, results)
-    publish_sections(render_sections(document), document["provenance"], {})
+    publish_document(document, render_sections)
     print(render_sections(document)["allocator-offload"])
 
 

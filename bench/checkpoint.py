@@ -46,6 +46,7 @@ from bench._bench_util import (  # noqa: E402
     MEDIAN_CONFIDENCE,
     REPO,
     add_results_options,
+    bench_parser,
     launch_group,
     median_interval,
     render_from_file,
@@ -492,7 +493,7 @@ def render_sections(document: dict) -> dict[str, str]:
 
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)

@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 import torch  # noqa: E402
 
-from bench._bench_util import REPO, add_results_options, bench_env, render_from_file, save_and_publish  # noqa: E402
+from bench._bench_util import REPO, add_results_options, bench_env, bench_parser, render_from_file, save_and_publish  # noqa: E402
 from common.checkpoint import checkpoint_step, latest_checkpoint  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 
@@ -289,7 +288,7 @@ def render_sections(document: dict) -> dict[str, str]:
 
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--work-dir", default=None, help="where the runs are written (default: a temp folder)")
     add_results_options(parser, RESULTS)
     args = parser.parse_args()

@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from bench._bench_util import (  # noqa: E402
     REPO,
     add_results_options,
+    bench_parser,
     holding,
     render_from_file,
     run_and_count_cpu,
@@ -289,7 +289,7 @@ def render_sections(document: dict) -> dict[str, str]:
 
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--work-dir", default=None, help="where the runs are written (default: a temp folder)")
     parser.add_argument("--recipe", choices=sorted(RESULTS), default="nlp", help="whose default run (default nlp)")
     parser.add_argument("--lock", type=Path, default=None, help="hold an exclusive flock on this file during each run")

@@ -34,7 +34,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 
-from bench._bench_util import DOC, REPO, add_results_options, launch_group, render_from_file, save_and_publish  # noqa: E402
+from bench._bench_util import (  # noqa: E402
+    DOC,
+    REPO,
+    add_results_options,
+    bench_parser,
+    launch_group,
+    render_from_file,
+    save_and_publish,
+)
 from common.errors import exit_on_user_error  # noqa: E402
 
 SHARD_SIZES = ("5GB", "1GB", "200MB")
@@ -252,7 +260,7 @@ def render_sections(document: dict) -> dict[str, str]:
 # --render: a results file that is missing or was not written by write_results is one line, not a traceback.
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)

@@ -23,7 +23,6 @@ provenance); the "hang-overhead" section of docs/benchmarks.md is rendered from 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -34,11 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from overhead import WARMUP, step_figures  # noqa: E402
 
 from bench._bench_util import (  # noqa: E402
+    bench_parser,
     environment,
     launch_group,
     load_document,
     median,
-    publish_sections,
+    publish_document,
     rotated,
     spread,
     table_head,
@@ -193,26 +193,21 @@ def render_sections(document: dict) -> dict[str, str]:
     return {"hang-overhead": render_hang_overhead(document["results"])}
 
 
-def write_docs(document: dict) -> None:
-    publish_sections(render_sections(document), document["provenance"], {})
-
-
 # --- command line ------------------------------------------------------------------------------------------
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--presets", default="deepspeed_stage_2,deepspeed_stage_3")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=14, help=f"optimizer steps per run, the first {WARMUP} warm-up")
-    parser.add_argument("--render", action="store_true", help="re-render docs/benchmarks.md from the results file only")
     args = parser.parse_args()
     if args.render:
         try:
             document = load_document(RESULTS)
         except (OSError, ValueError) as err:
             parser.error(f"cannot render: {err}")
-        write_docs(document)
+        publish_document(document, render_sections)
         return
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     for preset in presets:
@@ -225,7 +220,7 @@ def main() -> None:
         "runs": measure(presets, args.reps, args.steps),
     }
     document = write_results(RESULTS, results)
-    write_docs(document)
+    publish_document(document, render_sections)
     print(render_sections(document)["hang-overhead"])
 
 

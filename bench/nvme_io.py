@@ -36,7 +36,6 @@ bench/results/nvme_io.json is written by this script alone (bench/_bench_util.wr
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -49,9 +48,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 from bench._bench_util import (  # noqa: E402
     bench_env,
-    load_document,
+    bench_parser,
     median,
-    publish_sections,
+    publish_document,
+    render_from_file,
     spread,
     table_head,
     write_results,
@@ -335,17 +335,13 @@ def render_sections(document: dict) -> dict[str, str]:
     return {"nvme-io": render_nvme_io(document["results"])}
 
 
-def write_docs(document: dict) -> None:
-    publish_sections(render_sections(document), document["provenance"], {})
-
-
 # --- command line ------------------------------------------------------------------------------------------
 
 
 # --render: a results file that is missing or was not written by write_results is one line, not a traceback.
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--path", default=None, help="folder to measure (default: a temporary one under .)")
     parser.add_argument("--size", default="256MiB", help="bytes per file, e.g. 256MiB, 4GiB (default 256MiB)")
     parser.add_argument("--block-sizes", default="256KiB,1MiB,4MiB", help="aio block_size values to try")
@@ -358,10 +354,9 @@ def main() -> None:
         help="also measure the preset's setting with this many processes at once: the ranks of one node (default 2; "
         "1: skip)",
     )
-    parser.add_argument("--render", action="store_true", help="re-render docs/benchmarks.md from the results file only")
     args = parser.parse_args()
     if args.render:
-        write_docs(load_document(RESULTS))
+        render_from_file(RESULTS, render_sections)
         return
     size = int(parse_bytes(args.size))
     block_sizes, depths = parse_sizes(args.block_sizes), parse_depths(args.queue_depths)
@@ -395,7 +390,7 @@ def main() -> None:
         "node": node,
     }
     document = write_results(RESULTS, results)
-    write_docs(document)
+    publish_document(document, render_sections)
     print(render_sections(document)["nvme-io"])
 
 

@@ -49,11 +49,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 from bench._bench_util import (  # noqa: E402
+    bench_parser,
     environment,
     launch_group,
     load_document,
     median,
-    publish_sections,
+    publish_document,
     rotated,
     spread,
     table_head,
@@ -491,11 +492,6 @@ def reading(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_docs(document: dict) -> None:
-    """Write every rendered section under the "Command:" line of the run that measured it (its provenance)."""
-    publish_sections(render_sections(document), document["provenance"], {})
-
-
 # --- command line ------------------------------------------------------------------------------------
 
 
@@ -510,7 +506,7 @@ def parse_presets(parser: argparse.ArgumentParser, text: str) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--presets", default=None, help="default: deepspeed_stage_2,deepspeed_stage_3")
     parser.add_argument("--reps", type=int, default=None, help="default: 5")
     parser.add_argument("--steps", type=int, default=20, help=f"optimizer steps per run, the first {WARMUP} warm-up")
@@ -528,9 +524,6 @@ def main() -> None:
         action="store_true",
         help=f"measure only the allocator comparison (--allocator-reps, --steps) into {ALLOCATOR_RESULTS.name}",
     )
-    parser.add_argument(
-        "--render", action="store_true", help="re-render docs/benchmarks.md from the results files only"
-    )
     args = parser.parse_args()
     if args.render:
         for path in (RESULTS, ALLOCATOR_RESULTS):
@@ -538,7 +531,7 @@ def main() -> None:
                 document = load_document(path)
             except (OSError, ValueError) as err:
                 parser.error(f"cannot render: {err}")
-            write_docs(document)
+            publish_document(document, render_sections)
         return
     if args.allocator_only:
         for value, option in ((args.presets, "--presets"), (args.reps, "--reps"), (args.profile, "--profile")):
@@ -557,7 +550,7 @@ def main() -> None:
         document = write_results(
             ALLOCATOR_RESULTS, {"steps": args.steps, "warmup": WARMUP, "allocator_only": allocator}
         )
-        write_docs(document)
+        publish_document(document, render_sections)
         print(render_sections(document)["overhead-allocator"])
         return
     presets = parse_presets(parser, args.presets or "deepspeed_stage_2,deepspeed_stage_3")
@@ -579,7 +572,7 @@ def main() -> None:
     if args.profile:
         results["profile"] = profile(presets[-1], args.profile_steps)
         document = write_results(RESULTS, results)
-    write_docs(document)
+    publish_document(document, render_sections)
     for body in render_sections(document).values():
         print(body + "\n")
 

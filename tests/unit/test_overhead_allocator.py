@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench/ is importable from there
 
-
-@pytest.fixture(scope="module")
-def overhead():
-    spec = importlib.util.spec_from_file_location("bench_overhead_allocator", REPO / "bench" / "overhead.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from bench import overhead  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -28,11 +20,11 @@ def overhead():
         ([1.01, 1.03, 1.05], "costs CPU time: x1.030 (1.010-1.050), higher in every repetition"),
     ],
 )
-def test_effect_words_follow_the_ratios(overhead, ratios, words):
+def test_effect_words_follow_the_ratios(ratios, words):
     assert overhead.effect_words(ratios) == words
 
 
-def test_kept_over_defaults_pairs_each_repetition_with_its_own(overhead):
+def test_kept_over_defaults_pairs_each_repetition_with_its_own():
     def runs(default_ms, kept_ms):
         return {
             "glibc defaults": {"raw": [{"cpu_ms": ms} for ms in default_ms]},
@@ -42,7 +34,7 @@ def test_kept_over_defaults_pairs_each_repetition_with_its_own(overhead):
     assert overhead.kept_over_defaults(runs([100.0, 200.0], [90.0, 220.0]), "raw") == [0.9, 1.1]
 
 
-def test_the_section_names_the_build_and_both_backends(overhead):
+def test_the_section_names_the_build_and_both_backends():
     figures = {"cpu_ms": 100.0, "wall_ms": 50.0, "thread_cpu_ms": 90.0, "page_faults": 1000.0}
     kept = {**figures, "cpu_ms": 95.0, "page_faults": 100.0}
     runs = {
