@@ -20,39 +20,27 @@ section of docs/benchmarks.md is rendered from it by ``render_sections``.
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repository, when not installed
 from bench._bench_util import (  # noqa: E402
     bench_parser,
-    environment,
-    launch_group,
     median,
     publish_document,
     render_from_file,
-    rotated,
     spread,
     table_head,
     write_results,
 )
-from common.host_memory import SWITCH_ENV as KEEP_FREED_MEMORY_ENV  # noqa: E402
+from bench.overhead import WARMUP, allocator_groups  # noqa: E402
 
 RESULTS = HERE / "results" / "allocator_offload.json"
 PRESET = "deepspeed_stage_2_offload"  # optimizer state in host memory: the offload rung a user climbs to first
 BACKENDS = ("raw", "lightning")
 SETTINGS = {"freed memory kept": "on", "glibc defaults": "off"}  # ZR_KEEP_FREED_MEMORY
-WARMUP = 4
 MIB = 2**20
-
-
-def run_group(backend: str, steps: int, out: Path) -> dict:
-    args = ["--backend", backend, "--preset", PRESET, "--steps", str(steps), "--out", str(out)]
-    launch_group(HERE / "_step_worker.py", backend, PRESET, args)
-    return json.loads(out.read_text())
 
 
 def figures(run: dict, warmup: int) -> dict[str, float]:
@@ -74,20 +62,15 @@ def figures(run: dict, warmup: int) -> dict[str, float]:
 def measure(reps: int, steps: int) -> dict[str, dict[str, list[dict]]]:
     """runs[setting][backend]: one figures dict per repetition, groups in rotated order."""
     runs: dict[str, dict[str, list[dict]]] = {s: {b: [] for b in BACKENDS} for s in SETTINGS}
-    groups = tuple((setting, backend) for setting in SETTINGS for backend in BACKENDS)
-    with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(reps):
-            for setting, backend in rotated(groups, rep):
-                with environment({KEEP_FREED_MEMORY_ENV: SETTINGS[setting]}):
-                    run = run_group(backend, steps, Path(tmp) / f"{backend}.json")
-                found = figures(run, WARMUP)
-                runs[setting][backend].append(found)
-                print(
-                    f"rep {rep} {setting:>17} {backend:>9}: peak {found['peak_rss_bytes'] / MIB:6.0f} MiB, "
-                    f"between steps {found['rss_after_step_bytes'] / MIB:6.0f} MiB, CPU {found['cpu_ms']:6.0f} "
-                    f"ms/step, {found['page_faults']:7.0f} faults/step (both ranks)",
-                    flush=True,
-                )
+    for rep, setting, backend, run in allocator_groups(PRESET, SETTINGS, BACKENDS, reps, steps):
+        found = figures(run, WARMUP)
+        runs[setting][backend].append(found)
+        print(
+            f"rep {rep} {setting:>17} {backend:>9}: peak {found['peak_rss_bytes'] / MIB:6.0f} MiB, "
+            f"between steps {found['rss_after_step_bytes'] / MIB:6.0f} MiB, CPU {found['cpu_ms']:6.0f} "
+            f"ms/step, {found['page_faults']:7.0f} faults/step (both ranks)",
+            flush=True,
+        )
     return runs
 
 

@@ -23,19 +23,15 @@ provenance); the "hang-overhead" section of docs/benchmarks.md is rendered from 
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
-from overhead import WARMUP, step_figures  # noqa: E402
-
 from bench._bench_util import (  # noqa: E402
     bench_parser,
     environment,
-    launch_group,
     load_document,
     median,
     publish_document,
@@ -44,9 +40,8 @@ from bench._bench_util import (  # noqa: E402
     table_head,
     write_results,
 )
-from common.errors import nearest  # noqa: E402
+from bench.overhead import WARMUP, parse_presets, run_step_worker, step_figures  # noqa: E402
 from common.hang import POLL_S, SWITCH_ENV  # noqa: E402
-from common.presets import PRESET_NAMES  # noqa: E402
 
 RESULTS = HERE / "results" / "hang_overhead.json"
 BACKENDS = ("lightning", "accelerate")
@@ -60,11 +55,10 @@ MEASURES = {"cpu_ms": "CPU time", "wall_ms": "wall time"}  # the first is the ve
 GOAL = 1.02
 
 
-def run_group(backend: str, preset: str, variant: str, steps: int, out: Path) -> dict[str, float]:
-    args = ["--backend", backend, "--preset", preset, "--steps", str(steps), "--out", str(out)]
+def run_variant(backend: str, preset: str, variant: str, steps: int, out: Path) -> dict[str, float]:
+    """One group of the step worker under ``variant``'s environment: its per-step figures and the watchdog's share."""
     with environment(VARIANTS[variant]):
-        launch_group(HERE / "_step_worker.py", backend, preset, args)
-    run = json.loads(out.read_text())
+        run = run_step_worker(backend, preset, steps, out)
     figures = step_figures(run, WARMUP)
     figures["watchdog_cpu_ms"] = watchdog_cpu_per_step_ms(run["ranks"], figures["wall_ms"])
     return figures
@@ -91,7 +85,7 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict[str, di
             for preset in presets:
                 for backend in BACKENDS:
                     for variant in rotated(tuple(VARIANTS), rep):
-                        figures = run_group(backend, preset, variant, steps, Path(tmp) / "run.json")
+                        figures = run_variant(backend, preset, variant, steps, Path(tmp) / "run.json")
                         runs[preset][backend][variant].append(figures)
                         print(
                             f"rep {rep} {preset:>18} {backend:>10} {variant:>12}: CPU {figures['cpu_ms']:7.1f} ms/step "
@@ -209,12 +203,9 @@ def main() -> None:
             parser.error(f"cannot render: {err}")
         publish_document(document, render_sections)
         return
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-    for preset in presets:
-        if preset not in PRESET_NAMES:
-            parser.error(f"unknown preset {preset!r}{nearest(preset, PRESET_NAMES)}; valid: {', '.join(PRESET_NAMES)}")
-    if not presets or args.reps < 1 or args.steps <= WARMUP:
-        parser.error(f"need at least one preset, --reps >= 1 and --steps > {WARMUP} (the warm-up steps)")
+    presets = parse_presets(parser, args.presets)
+    if args.reps < 1 or args.steps <= WARMUP:
+        parser.error(f"need --reps >= 1 and --steps > {WARMUP} (the warm-up steps)")
     results = {
         "settings": {"presets": presets, "reps": args.reps, "steps": args.steps, "warmup": WARMUP, "goal": GOAL},
         "runs": measure(presets, args.reps, args.steps),

@@ -44,6 +44,7 @@ import json
 import pstats
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -90,7 +91,8 @@ AREAS = (
 # --- measuring ---------------------------------------------------------------------------------------
 
 
-def run_group(backend: str, preset: str, steps: int, out: Path, profile: Path | None = None) -> dict:
+def run_step_worker(backend: str, preset: str, steps: int, out: Path, profile: Path | None = None) -> dict:
+    """One 2-process group of bench/_step_worker.py under ``backend``: what its rank 0 wrote to ``out``."""
     args = ["--backend", backend, "--preset", preset, "--steps", str(steps), "--out", str(out)]
     if profile is not None:
         args += ["--profile", str(profile)]
@@ -133,7 +135,7 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict[str, li
         for rep in range(reps):
             for preset in presets:
                 for backend in rotated(BACKENDS, rep):
-                    run = run_group(backend, preset, steps, Path(tmp) / f"{backend}-{preset}-{rep}.json")
+                    run = run_step_worker(backend, preset, steps, Path(tmp) / f"{backend}-{preset}-{rep}.json")
                     figures = step_figures(run, WARMUP)
                     runs[preset][backend].append(figures)
                     print(
@@ -144,22 +146,34 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict[str, li
     return runs
 
 
-def measure_allocator(reps: int, steps: int) -> dict[str, dict[str, list[dict]]]:
-    """runs[setting][backend]: one figures dict per repetition, settings and backends in rotated order."""
-    runs: dict[str, dict[str, list[dict]]] = {s: {b: [] for b in ALLOCATOR_BACKENDS} for s in ALLOCATOR_SETTINGS}
-    groups = tuple((setting, backend) for setting in ALLOCATOR_SETTINGS for backend in ALLOCATOR_BACKENDS)
+def allocator_groups(
+    preset: str, settings: dict[str, str | None], backends: tuple[str, ...], reps: int, steps: int
+) -> Iterator[tuple[int, str, str, dict]]:
+    """(repetition, setting, backend, the worker's result) of every group: each repetition runs every backend under
+    every ``ZR_KEEP_FREED_MEMORY`` value of ``settings`` (setting name -> value, None: unset), in an order rotated
+    from one repetition to the next, a fresh group each."""
+    groups = tuple((setting, backend) for setting in settings for backend in backends)
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(reps):
             for setting, backend in rotated(groups, rep):
-                with environment({KEEP_FREED_MEMORY_ENV: ALLOCATOR_SETTINGS[setting]}):
-                    run = run_group(backend, ALLOCATOR_PRESET, steps, Path(tmp) / f"{backend}.json")
-                figures = step_figures(run, WARMUP)
-                runs[setting][backend].append(figures)
-                print(
-                    f"rep {rep} {setting:>17} {backend:>10}: CPU {figures['cpu_ms']:7.1f} ms/step (both ranks), "
-                    f"{figures['page_faults']:8.0f} page faults/step",
-                    flush=True,
-                )
+                with environment({KEEP_FREED_MEMORY_ENV: settings[setting]}):
+                    run = run_step_worker(backend, preset, steps, Path(tmp) / f"{backend}.json")
+                yield rep, setting, backend, run
+
+
+def measure_allocator(reps: int, steps: int) -> dict[str, dict[str, list[dict]]]:
+    """runs[setting][backend]: one figures dict per repetition, settings and backends in rotated order."""
+    runs: dict[str, dict[str, list[dict]]] = {s: {b: [] for b in ALLOCATOR_BACKENDS} for s in ALLOCATOR_SETTINGS}
+    for rep, setting, backend, run in allocator_groups(
+        ALLOCATOR_PRESET, ALLOCATOR_SETTINGS, ALLOCATOR_BACKENDS, reps, steps
+    ):
+        figures = step_figures(run, WARMUP)
+        runs[setting][backend].append(figures)
+        print(
+            f"rep {rep} {setting:>17} {backend:>10}: CPU {figures['cpu_ms']:7.1f} ms/step (both ranks), "
+            f"{figures['page_faults']:8.0f} page faults/step",
+            flush=True,
+        )
     return runs
 
 
@@ -200,7 +214,7 @@ def profile(preset: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for backend in BACKENDS:
             prof = Path(tmp) / f"{backend}.prof"
-            run = run_group(backend, preset, steps, Path(tmp) / f"{backend}.json", prof)
+            run = run_step_worker(backend, preset, steps, Path(tmp) / f"{backend}.json", prof)
             after = run["profile_after"]  # the worker profiles the steps after this many
             rank0_cpu = run["ranks"][0]["thread_cpu_step_times"][after:]
             backends[backend] = {"thread_cpu_ms": mean(rank0_cpu) * 1e3, **breakdown(prof, steps - after)}

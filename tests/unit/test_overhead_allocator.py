@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench/ is importable from there
 
 from bench import overhead  # noqa: E402
+from common.host_memory import SWITCH_ENV as KEEP_FREED_MEMORY_ENV  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -48,3 +50,22 @@ def test_the_section_names_the_build_and_both_backends():
     assert "torch 2.14.1. How much" in overhead.render_allocator_build(measured, "2.14.1")  # no build recorded
     assert "raw: helps: CPU time per step x0.950" in body and "lightning: helps" in body
     assert "| glibc defaults | 1,000 | 1,000 | 100 | 100 |" in body
+
+
+def test_allocator_groups_rotate_the_order_and_set_the_setting_for_each_run_alone(monkeypatch):
+    seen = []
+
+    def fake_worker(backend, preset, steps, out):
+        seen.append((os.environ.get(KEEP_FREED_MEMORY_ENV), backend))
+        return {"preset": preset, "steps": steps}
+
+    monkeypatch.setattr(overhead, "run_step_worker", fake_worker)
+    monkeypatch.setenv(KEEP_FREED_MEMORY_ENV, "outside")
+    settings = {"kept": "on", "defaults": None}
+    groups = list(overhead.allocator_groups("deepspeed_stage_2", settings, ("raw", "lightning"), reps=2, steps=6))
+    first = [("kept", "raw"), ("kept", "lightning"), ("defaults", "raw"), ("defaults", "lightning")]
+    assert [(setting, backend) for _, setting, backend, _ in groups] == first + first[1:] + first[:1]
+    assert [rep for rep, *_ in groups] == [0] * 4 + [1] * 4
+    assert seen == [(settings[setting], backend) for _, setting, backend, _ in groups]
+    assert groups[0][3] == {"preset": "deepspeed_stage_2", "steps": 6}
+    assert os.environ[KEEP_FREED_MEMORY_ENV] == "outside"  # restored after the runs
