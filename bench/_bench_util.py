@@ -308,6 +308,17 @@ def launch_group(
         raise RuntimeError(f"{backend} {preset} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
+@contextlib.contextmanager
+def work_folder(chosen: str | Path | None, prefix: str) -> Iterator[Path]:
+    """The folder a bench's runs write to: ``chosen`` (``--work-dir``: kept afterwards for a look), else a new
+    temporary folder named ``prefix...``, removed at the end."""
+    if chosen:
+        yield Path(chosen)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as folder:
+        yield Path(folder)
+
+
 def table_head(*columns: str) -> list[str]:
     """The header and rule lines of a Markdown table."""
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -23,10 +23,8 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -36,7 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 import torch  # noqa: E402
 
-from bench._bench_util import REPO, add_results_options, bench_env, bench_parser, render_from_file, save_and_publish  # noqa: E402
+from bench._bench_util import (  # noqa: E402
+    REPO,
+    add_results_options,
+    bench_env,
+    bench_parser,
+    render_from_file,
+    save_and_publish,
+    work_folder,
+)
 from common.checkpoint import checkpoint_step, latest_checkpoint  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 
@@ -295,13 +301,11 @@ def main() -> None:
     if args.render:
         render_from_file(args.json, render_sections, DOCS)
         return
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-checkpoint-bytes-"))
-    results = measure(work)
-    results["summary"] = summarize(results)
-    print(render_body(results))
-    save_and_publish(args, results, render_sections, DOCS)
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+    with work_folder(args.work_dir, "zr-checkpoint-bytes-") as work:
+        results = measure(work)
+        results["summary"] = summarize(results)
+        print(render_body(results))
+        save_and_publish(args, results, render_sections, DOCS)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
@@ -46,6 +45,7 @@ from bench._bench_util import (  # noqa: E402
     spread,
     table_head,
     torchrun_command,
+    work_folder,
 )
 from common.communication import (  # noqa: E402
     CommPlan,
@@ -417,8 +417,8 @@ def main() -> None:
         render_from_file(args.json, render_sections, DOCS)
         return
     reps = args.reps or (1 if args.small else 5)
-    with tempfile.TemporaryDirectory(prefix="zr-comm-") as tmp:
-        results = measure(args.small, reps, args.steps, args.lock, args.work_dir or Path(tmp))
+    with work_folder(args.work_dir, "zr-comm-") as work:
+        results = measure(args.small, reps, args.steps, args.lock, work)
     print(render_body(results))
     save_and_publish(args, results, render_sections, DOCS)
 

@@ -22,9 +22,7 @@
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
@@ -38,6 +36,7 @@ from bench._bench_util import (  # noqa: E402
     run_and_count_cpu,
     save_and_publish,
     table_head,
+    work_folder,
 )
 from common.errors import exit_on_user_error  # noqa: E402
 
@@ -299,13 +298,11 @@ def main() -> None:
     if args.render:
         render_from_file(args.json, render_sections, DOCS)
         return
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-default-runs-"))
-    results = (measure_cv if args.recipe == "cv" else measure)(work, args.lock)
-    for body in render_sections({"results": results}).values():
-        print(body)
-    save_and_publish(args, results, render_sections, DOCS)
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+    with work_folder(args.work_dir, "zr-default-runs-") as work:
+        results = (measure_cv if args.recipe == "cv" else measure)(work, args.lock)
+        for body in render_sections({"results": results}).values():
+            print(body)
+        save_and_publish(args, results, render_sections, DOCS)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from bench._bench_util import (  # noqa: E402
     launch_group,
     render_from_file,
     save_and_publish,
+    work_folder,
 )
 from common.errors import exit_on_user_error  # noqa: E402
 
@@ -275,34 +275,32 @@ def main() -> None:
         render_from_file(args.json, render_sections, DOCS)
         return
 
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-export-bench-"))
-    checkpoint = work / "checkpoint"
-    shutil.rmtree(checkpoint, ignore_errors=True)
-    size_args = ["--hidden-size", str(args.hidden_size), "--layers", str(args.layers), "--vocab", str(args.vocab)]
-    start = time.perf_counter()
-    launch_group(Path(__file__), "raw", "export", [*size_args, "--make-checkpoint", str(checkpoint)], timeout=900)
-    num_params = json.loads((checkpoint / "num_params.json").read_text())["num_params"]
-    shard_bytes = sum(p.stat().st_size for p in (checkpoint / "global_step1").iterdir())
-    print(
-        f"checkpoint: {num_params / 1e6:.0f}M parameters, {shard_bytes / 1e9:.2f} GB of shards, "
-        f"{time.perf_counter() - start:.0f} s",
-        flush=True,
-    )
-    results = {
-        "model": {
-            "hidden_size": args.hidden_size,
-            "layers": args.layers,
-            "vocab": args.vocab,
-            "num_params": num_params,
-            "shard_bytes": shard_bytes,
-        },
-        "imports_peak_rss_bytes": peak_rss([sys.executable, "-c", IMPORTS_ONLY])[0],
-        "rows": measure_converters(checkpoint, work),
-    }
-    print(benchmarks_body(results))
-    save_and_publish(args, results, render_sections, DOCS)
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+    with work_folder(args.work_dir, "zr-export-bench-") as work:
+        checkpoint = work / "checkpoint"
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        size_args = ["--hidden-size", str(args.hidden_size), "--layers", str(args.layers), "--vocab", str(args.vocab)]
+        start = time.perf_counter()
+        launch_group(Path(__file__), "raw", "export", [*size_args, "--make-checkpoint", str(checkpoint)], timeout=900)
+        num_params = json.loads((checkpoint / "num_params.json").read_text())["num_params"]
+        shard_bytes = sum(p.stat().st_size for p in (checkpoint / "global_step1").iterdir())
+        print(
+            f"checkpoint: {num_params / 1e6:.0f}M parameters, {shard_bytes / 1e9:.2f} GB of shards, "
+            f"{time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
+        results = {
+            "model": {
+                "hidden_size": args.hidden_size,
+                "layers": args.layers,
+                "vocab": args.vocab,
+                "num_params": num_params,
+                "shard_bytes": shard_bytes,
+            },
+            "imports_peak_rss_bytes": peak_rss([sys.executable, "-c", IMPORTS_ONLY])[0],
+            "rows": measure_converters(checkpoint, work),
+        }
+        print(benchmarks_body(results))
+        save_and_publish(args, results, render_sections, DOCS)
 
 
 if __name__ == "__main__":

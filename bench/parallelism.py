@@ -21,9 +21,7 @@ the "Parallelism on this machine" section of docs/parallelism.md from it.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
@@ -39,6 +37,7 @@ from bench._bench_util import (  # noqa: E402
     save_and_publish,
     table_head,
     torchrun_command,
+    work_folder,
 )
 from common.errors import exit_on_user_error  # noqa: E402
 
@@ -177,12 +176,10 @@ def main() -> None:
     if args.render:
         render_from_file(args.json, render_sections, DOCS)
         return
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-parallelism-"))
-    results = measure(work, args.lock)
-    print(render_sections({"results": results})["Parallelism on this machine"])
-    save_and_publish(args, results, render_sections, DOCS)
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+    with work_folder(args.work_dir, "zr-parallelism-") as work:
+        results = measure(work, args.lock)
+        print(render_sections({"results": results})["Parallelism on this machine"])
+        save_and_publish(args, results, render_sections, DOCS)
 
 
 if __name__ == "__main__":
