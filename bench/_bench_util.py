@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import psutil
 
-from common.metrics import median  # noqa: F401  (re-exported for the benches)
+from common.metrics import median  # also imported from here by the benches
 from common.rundir import free_port
 from common.strategy import RunFacts, resolve_deepspeed_config, write_accelerate_files
 
@@ -356,6 +356,12 @@ def rotated(items: tuple[T, ...], by: int) -> tuple[T, ...]:
 def spread(values: list[float]) -> tuple[float, float]:
     """(min, max) of the repetitions: how far apart interleaved runs landed."""
     return min(values), max(values)
+
+
+def median_and_range(values: list[float], digits: int = 2) -> str:
+    """``median (min-max)`` of the repetitions, as the bench tables print them: ``1.03 (0.98-1.07)``."""
+    low, high = spread(values)
+    return f"{median(values):.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 MEDIAN_CONFIDENCE = 1 - 2 / 2**5  # what (min, max) of 5 repetitions gives: 93.75 %

@@ -28,9 +28,9 @@ sys.path.insert(0, str(HERE.parent))  # the repository, when not installed
 from bench._bench_util import (  # noqa: E402
     bench_parser,
     median,
+    median_and_range,
     publish_document,
     render_from_file,
-    spread,
     table_head,
     write_results,
 )
@@ -89,8 +89,7 @@ def raises_host_memory(runs: dict[str, dict[str, list[dict]]]) -> bool:
 
 
 def ratio_words(values: list[float]) -> str:
-    low, high = spread(values)
-    return f"x{median(values):.2f} ({low:.2f}-{high:.2f})"
+    return f"x{median_and_range(values)}"
 
 
 def render_sections(document: dict) -> dict[str, str]:

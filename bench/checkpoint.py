@@ -47,6 +47,7 @@ from bench._bench_util import (  # noqa: E402
     add_results_options,
     bench_parser,
     launch_group,
+    median_and_range,
     median_interval,
     render_from_file,
     rotated,
@@ -381,11 +382,10 @@ def render_body(results: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for row in results["scaling"]:
-        low, high = spread(row["sync_save_s"])
         median = statistics.median(row["sync_save_s"])
         lines.append(
             f"| {row['num_params'] / 1e6:.0f}M | {row['world_size']} | {row['checkpoint_bytes'] / 1e9:.2f} | "
-            f"{median:.2f} ({low:.2f}-{high:.2f}) | {row['checkpoint_bytes'] / 1e9 / median:.2f} |"
+            f"{median_and_range(row['sync_save_s'])} | {row['checkpoint_bytes'] / 1e9 / median:.2f} |"
         )
     sentence = scaling_sentence(results["scaling"])
     return "\n".join([*lines, "", sentence] if sentence else lines)

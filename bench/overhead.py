@@ -55,6 +55,7 @@ from bench._bench_util import (  # noqa: E402
     launch_group,
     load_document,
     median,
+    median_and_range,
     publish_document,
     rotated,
     spread,
@@ -373,7 +374,7 @@ def kept_over_defaults(runs: dict[str, dict[str, list[dict]]], backend: str) -> 
 def effect_words(ratios_: list[float]) -> str:
     """What a backend's kept / defaults CPU-time ratios say, in words, with median and min-max."""
     low, high = spread(ratios_)
-    figures = f"x{median(ratios_):.3f} ({low:.3f}-{high:.3f})"
+    figures = f"x{median_and_range(ratios_, digits=3)}"
     if high < 1:
         return f"helps: CPU time per step {figures}, lower in every repetition"
     if low > 1:

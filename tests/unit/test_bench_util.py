@@ -8,7 +8,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench._bench_util import bench_parser, publish_document, torchrun_command, work_folder  # noqa: E402
+from bench._bench_util import (  # noqa: E402
+    bench_parser,
+    median_and_range,
+    publish_document,
+    torchrun_command,
+    work_folder,
+)
 
 
 def test_a_chosen_work_folder_is_kept_and_a_temporary_one_removed(tmp_path):
@@ -45,3 +51,8 @@ def test_publish_document_stamps_each_section_with_the_documents_own_provenance(
     publish_document(document, lambda d: {"x ratio": f"ratio {d['results']['ratio']}"}, {"x ratio": doc})
     stamp = "Command: `python bench/x.py --reps 3` (2026-01-02, this machine: 2 CPU cores, shared)."
     assert f"## x ratio\n\n{stamp}\n\nratio 1.5\n" in doc.read_text()
+
+
+def test_median_and_range_prints_the_median_between_the_extremes_of_the_repetitions():
+    assert median_and_range([1.07, 0.98, 1.03]) == "1.03 (0.98-1.07)"
+    assert median_and_range([2.0, 1.0, 4.0, 3.0], digits=3) == "2.500 (1.000-4.000)"  # even count: the middle two
