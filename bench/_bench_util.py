@@ -412,9 +412,10 @@ def write_section(
 
 # Rendering the docs from results files. Every bench with results follows one contract:
 #   render_sections(document) -> {section name: Markdown body}, a pure function of
-#   document = {"provenance": ..., "results": ...} (load_document), and a --render flag that rewrites its
-#   sections from the results file without measuring. The "Command: ... (date, ...)" line above each body
-#   comes from the document's provenance (section_stamp), never from the clock at render time.
+#   document = {"provenance": ..., "results": ...} (load_document), and a --render flag (bench_parser) that
+#   rewrites its sections from the results file without measuring (render_from_file). A run publishes what it
+#   wrote the same way (publish_document). The "Command: ... (date, ...)" line above each body comes from the
+#   document's provenance (section_stamp), never from the clock at render time.
 # tests/unit/test_bench_docs.py re-renders every section and compares it with the docs.
 
 
