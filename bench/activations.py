@@ -25,13 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 import torch  # noqa: E402
 
-from bench._bench_util import (  # noqa: E402
-    DOC,
-    bench_parser,
-    render_from_file,
-    table_head,
-    write_results,
-)
+from bench._bench_util import DOC, bench_parser, render_from_file, table_head, write_results  # noqa: E402
 from common.activation import AC_PRESETS, apply_activation_checkpointing, saved_activation_bytes  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 from common.memory_formulas import facts_from_model_config, transformer_activations  # noqa: E402

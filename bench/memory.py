@@ -28,15 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
-from bench._bench_util import (  # noqa: E402
-    DOC,
-    REPO,
-    bench_parser,
-    launch_group,
-    render_from_file,
-    table_head,
-    write_results,
-)
+from bench._bench_util import DOC, REPO, bench_parser, launch_group, render_from_file, table_head, write_results  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 from common.memory_formulas import facts_from_hf_config  # noqa: E402
 from common.tools.memory import PlanInputs, plan  # noqa: E402
