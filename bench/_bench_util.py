@@ -24,8 +24,8 @@ from typing import TypeVar
 
 import psutil
 
-from common.metrics import median  # noqa: F401  (re-exported for the benches)
-from common.rundir import free_port  # noqa: F401  (re-exported for the benches)
+from common.metrics import median  # also imported from here by the benches
+from common.rundir import free_port
 from common.strategy import RunFacts, resolve_deepspeed_config, write_accelerate_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -227,20 +227,17 @@ def kill_tree(pid: int, grace_s: float = KILL_GRACE_S) -> None:
         tree = alive
 
 
+def torchrun_command(nproc: int, port: str | None = None) -> list[str]:
+    """torch's own launcher for ``nproc`` ranks on this machine (on ``port``, a free one when None): the script, or
+    ``-m`` and a module, and its arguments follow."""
+    port = port or str(free_port())
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port]
+
+
 def launch_command(script: Path, backend: str, preset: str, script_args: list[str], nproc: int, port: str) -> list[str]:
     """The command line that starts ``script`` as ``nproc`` ranks through the backend's own launcher."""
     if backend == "raw":
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            port,
-            str(script),
-            *script_args,
-        ]
+        return [*torchrun_command(nproc, port), str(script), *script_args]
     if backend == "accelerate":
         cfg_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"zr-bench-acc-{os.getpid()}-{preset}"
         ds = resolve_deepspeed_config(
@@ -311,6 +308,17 @@ def launch_group(
         raise RuntimeError(f"{backend} {preset} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
+@contextlib.contextmanager
+def work_folder(chosen: str | Path | None, prefix: str) -> Iterator[Path]:
+    """The folder a bench's runs write to: ``chosen`` (``--work-dir``: kept afterwards for a look), else a new
+    temporary folder named ``prefix...``, removed at the end."""
+    if chosen:
+        yield Path(chosen)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as folder:
+        yield Path(folder)
+
+
 def table_head(*columns: str) -> list[str]:
     """The header and rule lines of a Markdown table."""
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -348,6 +356,12 @@ def rotated(items: tuple[T, ...], by: int) -> tuple[T, ...]:
 def spread(values: list[float]) -> tuple[float, float]:
     """(min, max) of the repetitions: how far apart interleaved runs landed."""
     return min(values), max(values)
+
+
+def median_and_range(values: list[float], digits: int = 2) -> str:
+    """``median (min-max)`` of the repetitions, as the bench tables print them: ``1.03 (0.98-1.07)``."""
+    low, high = spread(values)
+    return f"{median(values):.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 MEDIAN_CONFIDENCE = 1 - 2 / 2**5  # what (min, max) of 5 repetitions gives: 93.75 %
@@ -398,9 +412,10 @@ def write_section(
 
 # Rendering the docs from results files. Every bench with results follows one contract:
 #   render_sections(document) -> {section name: Markdown body}, a pure function of
-#   document = {"provenance": ..., "results": ...} (load_document), and a --render flag that rewrites its
-#   sections from the results file without measuring. The "Command: ... (date, ...)" line above each body
-#   comes from the document's provenance (section_stamp), never from the clock at render time.
+#   document = {"provenance": ..., "results": ...} (load_document), and a --render flag (bench_parser) that
+#   rewrites its sections from the results file without measuring (render_from_file). A run publishes what it
+#   wrote the same way (publish_document). The "Command: ... (date, ...)" line above each body comes from the
+#   document's provenance (section_stamp), never from the clock at render time.
 # tests/unit/test_bench_docs.py re-renders every section and compares it with the docs.
 
 
@@ -425,17 +440,32 @@ def publish_sections(
         write_section(name, command, date, body, doc=docs.get(name, DOC), machine=machine)
 
 
-def add_results_options(parser: argparse.ArgumentParser, results: Path) -> None:
-    """``--json``, ``--no-doc`` and ``--render``: where the results go, and whether the docs follow them."""
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """A bench's command line: the first line of its docstring ``doc`` as the description, and ``--render``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
+    return parser
+
+
+def add_results_options(parser: argparse.ArgumentParser, results: Path | None) -> None:
+    """``--json`` and ``--no-doc``: where the results go, and whether the docs follow them."""
     parser.add_argument("--json", type=Path, default=results, help="results file (default %(default)s)")
     parser.add_argument("--no-doc", action="store_true", help="do not write the docs")
-    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
 
 
-def render_from_file(path: Path, render_sections: Callable[[dict], dict[str, str]], docs: dict[str, Path]) -> None:
+def publish_document(
+    document: dict, render_sections: Callable[[dict], dict[str, str]], docs: dict[str, Path] | None = None
+) -> None:
+    """Render a results document's sections and write each into its doc (``docs[name]``, docs/benchmarks.md by
+    default), under the "Command:" line of the run that measured it (the document's provenance)."""
+    publish_sections(render_sections(document), document["provenance"], docs or {})
+
+
+def render_from_file(
+    path: Path, render_sections: Callable[[dict], dict[str, str]], docs: dict[str, Path] | None = None
+) -> None:
     """``--render``: the docs rewritten from a results file alone."""
-    document = load_document(path)
-    publish_sections(render_sections(document), document["provenance"], docs)
+    publish_document(load_document(path), render_sections, docs)
 
 
 def save_and_publish(
@@ -448,7 +478,7 @@ def save_and_publish(
     """Write ``results`` to ``args.json`` (with provenance) and, unless ``--no-doc``, render the docs from it."""
     document = write_results(args.json, results, disks=disks)
     if not args.no_doc:
-        publish_sections(render_sections(document), document["provenance"], docs)
+        publish_document(document, render_sections, docs)
     return document
 
 

@@ -157,7 +157,7 @@ def constant_lr(optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
 
-def run_raw(args, ds_config) -> tuple[dict[str, list[float]], list[dict]]:
+def run_raw(args, ds_config) -> tuple[torch.nn.Module, StepClock]:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -173,11 +173,10 @@ def run_raw(args, ds_config) -> tuple[dict[str, list[float]], list[dict]]:
         engine.step()
         scheduler.step()
         clock.step_done()
-    times = clock.finish()
-    return times, rank_report(engine, times)
+    return engine, clock
 
 
-def run_accelerate(args, ds_config) -> tuple[dict[str, list[float]], list[dict]]:
+def run_accelerate(args, ds_config) -> tuple[torch.nn.Module, StepClock]:
     from accelerate import Accelerator
 
     from common.strategy import accelerator_kwargs
@@ -196,11 +195,10 @@ def run_accelerate(args, ds_config) -> tuple[dict[str, list[float]], list[dict]]
             optimizer.zero_grad()
         scheduler.step()
         clock.step_done()
-    times = clock.finish()
-    return times, rank_report(engine, times)
+    return engine, clock
 
 
-def run_lightning(args, ds_config) -> tuple[dict[str, list[float]], list[dict]]:
+def run_lightning(args, ds_config) -> tuple[torch.nn.Module, StepClock]:
     import lightning as L
 
     from common.strategy import lightning_trainer_kwargs
@@ -238,8 +236,7 @@ def run_lightning(args, ds_config) -> tuple[dict[str, list[float]], list[dict]]:
         **lightning_trainer_kwargs(ds_config),
     )
     trainer.fit(Module(), loader_for(rank, 2, args.steps))
-    times = clock.finish()
-    return times, rank_report(trainer.strategy.model, times)
+    return trainer.strategy.model, clock
 
 
 def main() -> None:
@@ -262,7 +259,10 @@ def main() -> None:
         # the same setting, so that a ratio compares the frameworks' work and not where glibc put a step's tensors.
         keep_freed_memory(by_default=keeps_freed_memory_by_default(ds_config))
         runner = {"raw": run_raw, "lightning": run_lightning, "accelerate": run_accelerate}[args.backend]
-        times, ranks = runner(args, ds_config)
+        # Each runner returns right after its last step: the clock stops here, then the ranks gather their figures.
+        engine, clock = runner(args, ds_config)
+        times = clock.finish()
+        ranks = rank_report(engine, times)
     if torch.distributed.get_rank() == 0:
         result = {"backend": args.backend, "preset": args.preset, "step_times": times["wall"], "ranks": ranks}
         result["profile_after"] = PROFILE_AFTER

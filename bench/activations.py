@@ -16,7 +16,6 @@ write_results) and docs/benchmarks.md, section "activations", rendered from that
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import time
@@ -26,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 import torch  # noqa: E402
 
-from bench._bench_util import DOC, load_document, publish_sections, table_head, write_results  # noqa: E402
+from bench._bench_util import DOC, bench_parser, render_from_file, table_head, write_results  # noqa: E402
 from common.activation import AC_PRESETS, apply_activation_checkpointing, saved_activation_bytes  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 from common.memory_formulas import facts_from_model_config, transformer_activations  # noqa: E402
@@ -137,8 +136,7 @@ tensors as SDPA (q, k, v, output, log-sum-exp); it needs a GPU and is not measur
 # --render: a results file that is missing or was not written by write_results is one line, not a traceback.
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
+    parser = bench_parser(__doc__)
     args = parser.parse_args()
     if not args.render:
         torch.set_num_threads(2)
@@ -157,8 +155,7 @@ def main() -> None:
                             flush=True,
                         )
         write_results(RESULTS, {"cases": cases})
-    document = load_document(RESULTS)
-    publish_sections(render_sections(document), document["provenance"], {"activations": DOC})
+    render_from_file(RESULTS, render_sections, {"activations": DOC})
 
 
 if __name__ == "__main__":

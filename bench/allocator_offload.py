@@ -20,39 +20,27 @@ section of docs/benchmarks.md is rendered from it by ``render_sections``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repository, when not installed
 from bench._bench_util import (  # noqa: E402
-    environment,
-    launch_group,
-    load_document,
+    bench_parser,
     median,
-    publish_sections,
-    rotated,
-    spread,
+    median_and_range,
+    publish_document,
+    render_from_file,
     table_head,
     write_results,
 )
-from common.host_memory import SWITCH_ENV as KEEP_FREED_MEMORY_ENV  # noqa: E402
+from bench.overhead import WARMUP, allocator_groups  # noqa: E402
 
 RESULTS = HERE / "results" / "allocator_offload.json"
 PRESET = "deepspeed_stage_2_offload"  # optimizer state in host memory: the offload rung a user climbs to first
 BACKENDS = ("raw", "lightning")
 SETTINGS = {"freed memory kept": "on", "glibc defaults": "off"}  # ZR_KEEP_FREED_MEMORY
-WARMUP = 4
 MIB = 2**20
-
-
-def run_group(backend: str, steps: int, out: Path) -> dict:
-    args = ["--backend", backend, "--preset", PRESET, "--steps", str(steps), "--out", str(out)]
-    launch_group(HERE / "_step_worker.py", backend, PRESET, args)
-    return json.loads(out.read_text())
 
 
 def figures(run: dict, warmup: int) -> dict[str, float]:
@@ -74,20 +62,15 @@ def figures(run: dict, warmup: int) -> dict[str, float]:
 def measure(reps: int, steps: int) -> dict[str, dict[str, list[dict]]]:
     """runs[setting][backend]: one figures dict per repetition, groups in rotated order."""
     runs: dict[str, dict[str, list[dict]]] = {s: {b: [] for b in BACKENDS} for s in SETTINGS}
-    groups = tuple((setting, backend) for setting in SETTINGS for backend in BACKENDS)
-    with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(reps):
-            for setting, backend in rotated(groups, rep):
-                with environment({KEEP_FREED_MEMORY_ENV: SETTINGS[setting]}):
-                    run = run_group(backend, steps, Path(tmp) / f"{backend}.json")
-                found = figures(run, WARMUP)
-                runs[setting][backend].append(found)
-                print(
-                    f"rep {rep} {setting:>17} {backend:>9}: peak {found['peak_rss_bytes'] / MIB:6.0f} MiB, "
-                    f"between steps {found['rss_after_step_bytes'] / MIB:6.0f} MiB, CPU {found['cpu_ms']:6.0f} "
-                    f"ms/step, {found['page_faults']:7.0f} faults/step (both ranks)",
-                    flush=True,
-                )
+    for rep, setting, backend, run in allocator_groups(PRESET, SETTINGS, BACKENDS, reps, steps):
+        found = figures(run, WARMUP)
+        runs[setting][backend].append(found)
+        print(
+            f"rep {rep} {setting:>17} {backend:>9}: peak {found['peak_rss_bytes'] / MIB:6.0f} MiB, "
+            f"between steps {found['rss_after_step_bytes'] / MIB:6.0f} MiB, CPU {found['cpu_ms']:6.0f} "
+            f"ms/step, {found['page_faults']:7.0f} faults/step (both ranks)",
+            flush=True,
+        )
     return runs
 
 
@@ -106,8 +89,7 @@ def raises_host_memory(runs: dict[str, dict[str, list[dict]]]) -> bool:
 
 
 def ratio_words(values: list[float]) -> str:
-    low, high = spread(values)
-    return f"x{median(values):.2f} ({low:.2f}-{high:.2f})"
+    return f"x{median_and_range(values)}"
 
 
 def render_sections(document: dict) -> dict[str, str]:
@@ -166,21 +148,19 @@ def render_sections(document: dict) -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12, help=f"optimizer steps per group, the first {WARMUP} warm-up")
-    parser.add_argument("--render", action="store_true", help="re-render docs/benchmarks.md from the results file")
     args = parser.parse_args()
     if args.render:
-        document = load_document(RESULTS)
-        publish_sections(render_sections(document), document["provenance"], {})
+        render_from_file(RESULTS, render_sections)
         return
     if args.reps < 1 or args.steps <= WARMUP:
         parser.error(f"need --reps >= 1 and --steps > {WARMUP} (the warm-up steps)")
     results = {"preset": PRESET, "reps": args.reps, "steps": args.steps, "warmup": WARMUP}
     results["runs"] = measure(args.reps, args.steps)
     document = write_results(RESULTS, results)
-    publish_sections(render_sections(document), document["provenance"], {})
+    publish_document(document, render_sections)
     print(render_sections(document)["allocator-offload"])
 
 

@@ -35,7 +35,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,12 +45,15 @@ from bench._bench_util import (  # noqa: E402
     MEDIAN_CONFIDENCE,
     REPO,
     add_results_options,
+    bench_parser,
     launch_group,
+    median_and_range,
     median_interval,
     render_from_file,
     rotated,
     save_and_publish,
     spread,
+    work_folder,
 )
 from common.errors import exit_on_user_error  # noqa: E402
 
@@ -380,11 +382,10 @@ def render_body(results: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for row in results["scaling"]:
-        low, high = spread(row["sync_save_s"])
         median = statistics.median(row["sync_save_s"])
         lines.append(
             f"| {row['num_params'] / 1e6:.0f}M | {row['world_size']} | {row['checkpoint_bytes'] / 1e9:.2f} | "
-            f"{median:.2f} ({low:.2f}-{high:.2f}) | {row['checkpoint_bytes'] / 1e9 / median:.2f} |"
+            f"{median_and_range(row['sync_save_s'])} | {row['checkpoint_bytes'] / 1e9 / median:.2f} |"
         )
     sentence = scaling_sentence(results["scaling"])
     return "\n".join([*lines, "", sentence] if sentence else lines)
@@ -492,7 +493,7 @@ def render_sections(document: dict) -> dict[str, str]:
 
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
@@ -520,22 +521,22 @@ def main() -> None:
         render_from_file(args.json, render_sections, DOCS)
         return
 
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-checkpoint-bench-"))
-    hidden, layers = args.hidden_size, args.layers
-    stall = run_group(args, work, hidden, layers, 2, scaling=False)
-    # The stall model's synchronous saves are its own scaling row; smaller ones have a quarter and half the width.
-    smaller = [(max(64, hidden // 4), max(1, layers // 3)), (max(64, hidden // 2), max(1, layers // 2))]
-    smaller = smaller[2 - args.smaller_sizes :]
-    scaling = [run_group(args, work, h, n, 2, scaling=True) for h, n in smaller]
-    scaling.append({**{k: v for k, v in stall.items() if k in SCALING_KEYS}, "sync_save_s": stall["blocked_s"]["sync"]})
-    middle = smaller[-1] if smaller else (hidden, layers)
-    scaling += [run_group(args, work, *middle, p, scaling=True) for p in args.processes if p != 2]
-    results = {"stall": stall, "summary": summarize(stall), "scaling": scaling}
-    results["write_cost"] = write_cost(work, args.write_megabytes, repeats=3)
-    print(render_body(results))
-    save_and_publish(args, results, render_sections, DOCS, disks={"checkpoints": work})
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+    with work_folder(args.work_dir, "zr-checkpoint-bench-") as work:
+        hidden, layers = args.hidden_size, args.layers
+        stall = run_group(args, work, hidden, layers, 2, scaling=False)
+        # The stall model's synchronous saves are its own scaling row; smaller ones have a quarter and half the width.
+        smaller = [(max(64, hidden // 4), max(1, layers // 3)), (max(64, hidden // 2), max(1, layers // 2))]
+        smaller = smaller[2 - args.smaller_sizes :]
+        scaling = [run_group(args, work, h, n, 2, scaling=True) for h, n in smaller]
+        scaling.append(
+            {**{k: v for k, v in stall.items() if k in SCALING_KEYS}, "sync_save_s": stall["blocked_s"]["sync"]}
+        )
+        middle = smaller[-1] if smaller else (hidden, layers)
+        scaling += [run_group(args, work, *middle, p, scaling=True) for p in args.processes if p != 2]
+        results = {"stall": stall, "summary": summarize(stall), "scaling": scaling}
+        results["write_cost"] = write_cost(work, args.write_megabytes, repeats=3)
+        print(render_body(results))
+        save_and_publish(args, results, render_sections, DOCS, disks={"checkpoints": work})
 
 
 if __name__ == "__main__":

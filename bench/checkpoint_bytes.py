@@ -22,12 +22,9 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -37,7 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 import torch  # noqa: E402
 
-from bench._bench_util import REPO, add_results_options, bench_env, render_from_file, save_and_publish  # noqa: E402
+from bench._bench_util import (  # noqa: E402
+    REPO,
+    add_results_options,
+    bench_env,
+    bench_parser,
+    render_from_file,
+    save_and_publish,
+    work_folder,
+)
 from common.checkpoint import checkpoint_step, latest_checkpoint  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 
@@ -289,20 +294,18 @@ def render_sections(document: dict) -> dict[str, str]:
 
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--work-dir", default=None, help="where the runs are written (default: a temp folder)")
     add_results_options(parser, RESULTS)
     args = parser.parse_args()
     if args.render:
         render_from_file(args.json, render_sections, DOCS)
         return
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-checkpoint-bytes-"))
-    results = measure(work)
-    results["summary"] = summarize(results)
-    print(render_body(results))
-    save_and_publish(args, results, render_sections, DOCS)
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+    with work_folder(args.work_dir, "zr-checkpoint-bytes-") as work:
+        results = measure(work)
+        results["summary"] = summarize(results)
+        print(render_body(results))
+        save_and_publish(args, results, render_sections, DOCS)
 
 
 if __name__ == "__main__":

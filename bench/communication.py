@@ -26,11 +26,9 @@ Writes bench/results/communication.json (provenance included) and renders the se
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
@@ -39,12 +37,15 @@ from bench._bench_util import (  # noqa: E402
     REPO,
     add_results_options,
     bench_env,
+    bench_parser,
     holding,
     median_interval,
     render_from_file,
     save_and_publish,
     spread,
     table_head,
+    torchrun_command,
+    work_folder,
 )
 from common.communication import (  # noqa: E402
     CommPlan,
@@ -153,22 +154,11 @@ def run(command: list[str], env: dict | None = None, timeout: float = 1800) -> N
         raise RuntimeError(f"{' '.join(command[:6])} ... failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
-def torchrun(nproc: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        bench_env()["MASTER_PORT"],
-    ]
-
-
 def measure_doctor(nproc: int, work: Path) -> dict:
     """``zero-recipes doctor --collectives`` on ``nproc`` processes: its doctor.json."""
     out = work / f"doctor-{nproc}"
-    run([*torchrun(nproc), "-m", "common.tools.doctor", "--collectives", "--sizes", DOCTOR_SIZES, "--out", str(out)])
+    doctor = ["-m", "common.tools.doctor", "--collectives", "--sizes", DOCTOR_SIZES, "--out", str(out)]
+    run([*torchrun_command(nproc), *doctor])
     return json.loads((out / "doctor.json").read_text())
 
 
@@ -176,7 +166,7 @@ def measure_rows(rows: list[dict], nproc: int, steps: int, work: Path) -> list[l
     """The worker's records: per row, per rank."""
     rows_file, out = work / f"rows-{nproc}.json", work / f"worker-{nproc}.json"
     rows_file.write_text(json.dumps(rows))
-    run([*torchrun(nproc), str(WORKER), "--rows", str(rows_file), "--steps", str(steps), "--out", str(out)])
+    run([*torchrun_command(nproc), str(WORKER), "--rows", str(rows_file), "--steps", str(steps), "--out", str(out)])
     return json.loads(out.read_text())
 
 
@@ -415,7 +405,7 @@ def render_sections(document: dict) -> dict[str, str]:
 
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--small", action="store_true", help="three rows, one repetition (the CI test's mode)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5; --small: 1)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per row (the first is not counted)")
@@ -427,8 +417,8 @@ def main() -> None:
         render_from_file(args.json, render_sections, DOCS)
         return
     reps = args.reps or (1 if args.small else 5)
-    with tempfile.TemporaryDirectory(prefix="zr-comm-") as tmp:
-        results = measure(args.small, reps, args.steps, args.lock, args.work_dir or Path(tmp))
+    with work_folder(args.work_dir, "zr-comm-") as work:
+        results = measure(args.small, reps, args.steps, args.lock, work)
     print(render_body(results))
     save_and_publish(args, results, render_sections, DOCS)
 

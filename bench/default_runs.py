@@ -21,11 +21,8 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
@@ -33,11 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from bench._bench_util import (  # noqa: E402
     REPO,
     add_results_options,
+    bench_parser,
     holding,
     render_from_file,
     run_and_count_cpu,
     save_and_publish,
     table_head,
+    work_folder,
 )
 from common.errors import exit_on_user_error  # noqa: E402
 
@@ -289,7 +288,7 @@ def render_sections(document: dict) -> dict[str, str]:
 
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--work-dir", default=None, help="where the runs are written (default: a temp folder)")
     parser.add_argument("--recipe", choices=sorted(RESULTS), default="nlp", help="whose default run (default nlp)")
     parser.add_argument("--lock", type=Path, default=None, help="hold an exclusive flock on this file during each run")
@@ -299,13 +298,11 @@ def main() -> None:
     if args.render:
         render_from_file(args.json, render_sections, DOCS)
         return
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-default-runs-"))
-    results = (measure_cv if args.recipe == "cv" else measure)(work, args.lock)
-    for body in render_sections({"results": results}).values():
-        print(body)
-    save_and_publish(args, results, render_sections, DOCS)
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+    with work_folder(args.work_dir, "zr-default-runs-") as work:
+        results = (measure_cv if args.recipe == "cv" else measure)(work, args.lock)
+        for body in render_sections({"results": results}).values():
+            print(body)
+        save_and_publish(args, results, render_sections, DOCS)
 
 
 if __name__ == "__main__":

@@ -27,14 +27,22 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 
-from bench._bench_util import DOC, REPO, add_results_options, launch_group, render_from_file, save_and_publish  # noqa: E402
+from bench._bench_util import (  # noqa: E402
+    DOC,
+    REPO,
+    add_results_options,
+    bench_parser,
+    launch_group,
+    render_from_file,
+    save_and_publish,
+    work_folder,
+)
 from common.errors import exit_on_user_error  # noqa: E402
 
 SHARD_SIZES = ("5GB", "1GB", "200MB")
@@ -252,7 +260,7 @@ def render_sections(document: dict) -> dict[str, str]:
 # --render: a results file that is missing or was not written by write_results is one line, not a traceback.
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
@@ -267,34 +275,32 @@ def main() -> None:
         render_from_file(args.json, render_sections, DOCS)
         return
 
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-export-bench-"))
-    checkpoint = work / "checkpoint"
-    shutil.rmtree(checkpoint, ignore_errors=True)
-    size_args = ["--hidden-size", str(args.hidden_size), "--layers", str(args.layers), "--vocab", str(args.vocab)]
-    start = time.perf_counter()
-    launch_group(Path(__file__), "raw", "export", [*size_args, "--make-checkpoint", str(checkpoint)], timeout=900)
-    num_params = json.loads((checkpoint / "num_params.json").read_text())["num_params"]
-    shard_bytes = sum(p.stat().st_size for p in (checkpoint / "global_step1").iterdir())
-    print(
-        f"checkpoint: {num_params / 1e6:.0f}M parameters, {shard_bytes / 1e9:.2f} GB of shards, "
-        f"{time.perf_counter() - start:.0f} s",
-        flush=True,
-    )
-    results = {
-        "model": {
-            "hidden_size": args.hidden_size,
-            "layers": args.layers,
-            "vocab": args.vocab,
-            "num_params": num_params,
-            "shard_bytes": shard_bytes,
-        },
-        "imports_peak_rss_bytes": peak_rss([sys.executable, "-c", IMPORTS_ONLY])[0],
-        "rows": measure_converters(checkpoint, work),
-    }
-    print(benchmarks_body(results))
-    save_and_publish(args, results, render_sections, DOCS)
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+    with work_folder(args.work_dir, "zr-export-bench-") as work:
+        checkpoint = work / "checkpoint"
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        size_args = ["--hidden-size", str(args.hidden_size), "--layers", str(args.layers), "--vocab", str(args.vocab)]
+        start = time.perf_counter()
+        launch_group(Path(__file__), "raw", "export", [*size_args, "--make-checkpoint", str(checkpoint)], timeout=900)
+        num_params = json.loads((checkpoint / "num_params.json").read_text())["num_params"]
+        shard_bytes = sum(p.stat().st_size for p in (checkpoint / "global_step1").iterdir())
+        print(
+            f"checkpoint: {num_params / 1e6:.0f}M parameters, {shard_bytes / 1e9:.2f} GB of shards, "
+            f"{time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
+        results = {
+            "model": {
+                "hidden_size": args.hidden_size,
+                "layers": args.layers,
+                "vocab": args.vocab,
+                "num_params": num_params,
+                "shard_bytes": shard_bytes,
+            },
+            "imports_peak_rss_bytes": peak_rss([sys.executable, "-c", IMPORTS_ONLY])[0],
+            "rows": measure_converters(checkpoint, work),
+        }
+        print(benchmarks_body(results))
+        save_and_publish(args, results, render_sections, DOCS)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from bench._bench_util import (  # noqa: E402
     REPO,
     bench_env,
+    bench_parser,
     launch_group,
     load_document,
     publish_sections,
@@ -401,7 +402,7 @@ def headline(row: dict) -> str:
 # --render: a results file that is missing or was not written by write_results is one line, not a traceback.
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--cpu", action="store_true", help="tiny size on a CPU: checks every part runs")
     parser.add_argument("--variants", default=",".join(NAMES))
     parser.add_argument("--first-run", action="store_true", help=f"only {', '.join(FIRST_RUN)}, within 8 minutes")
@@ -409,7 +410,6 @@ def main() -> None:
     parser.add_argument("--variant-timeout-s", type=float, default=None, help="one limit for every variant")
     parser.add_argument("--doc", type=Path, default=GPU_DOC)
     parser.add_argument("--json", type=Path, default=None, help="results file (default bench/results/gpu*.json)")
-    parser.add_argument("--render", action="store_true", help="rewrite the doc from the results file; measure nothing")
     args = parser.parse_args()
     results_file = args.json or HERE / "results" / ("gpu_cpu_mode.json" if args.cpu else "gpu.json")
     if args.render:

@@ -23,30 +23,25 @@ provenance); the "hang-overhead" section of docs/benchmarks.md is rendered from 
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
-from overhead import WARMUP, step_figures  # noqa: E402
-
 from bench._bench_util import (  # noqa: E402
+    bench_parser,
     environment,
-    launch_group,
     load_document,
     median,
-    publish_sections,
+    publish_document,
     rotated,
     spread,
     table_head,
     write_results,
 )
-from common.errors import nearest  # noqa: E402
+from bench.overhead import WARMUP, parse_presets, run_step_worker, step_figures  # noqa: E402
 from common.hang import POLL_S, SWITCH_ENV  # noqa: E402
-from common.presets import PRESET_NAMES  # noqa: E402
 
 RESULTS = HERE / "results" / "hang_overhead.json"
 BACKENDS = ("lightning", "accelerate")
@@ -60,11 +55,10 @@ MEASURES = {"cpu_ms": "CPU time", "wall_ms": "wall time"}  # the first is the ve
 GOAL = 1.02
 
 
-def run_group(backend: str, preset: str, variant: str, steps: int, out: Path) -> dict[str, float]:
-    args = ["--backend", backend, "--preset", preset, "--steps", str(steps), "--out", str(out)]
+def run_variant(backend: str, preset: str, variant: str, steps: int, out: Path) -> dict[str, float]:
+    """One group of the step worker under ``variant``'s environment: its per-step figures and the watchdog's share."""
     with environment(VARIANTS[variant]):
-        launch_group(HERE / "_step_worker.py", backend, preset, args)
-    run = json.loads(out.read_text())
+        run = run_step_worker(backend, preset, steps, out)
     figures = step_figures(run, WARMUP)
     figures["watchdog_cpu_ms"] = watchdog_cpu_per_step_ms(run["ranks"], figures["wall_ms"])
     return figures
@@ -91,7 +85,7 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict[str, di
             for preset in presets:
                 for backend in BACKENDS:
                     for variant in rotated(tuple(VARIANTS), rep):
-                        figures = run_group(backend, preset, variant, steps, Path(tmp) / "run.json")
+                        figures = run_variant(backend, preset, variant, steps, Path(tmp) / "run.json")
                         runs[preset][backend][variant].append(figures)
                         print(
                             f"rep {rep} {preset:>18} {backend:>10} {variant:>12}: CPU {figures['cpu_ms']:7.1f} ms/step "
@@ -193,39 +187,31 @@ def render_sections(document: dict) -> dict[str, str]:
     return {"hang-overhead": render_hang_overhead(document["results"])}
 
 
-def write_docs(document: dict) -> None:
-    publish_sections(render_sections(document), document["provenance"], {})
-
-
 # --- command line ------------------------------------------------------------------------------------------
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--presets", default="deepspeed_stage_2,deepspeed_stage_3")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=14, help=f"optimizer steps per run, the first {WARMUP} warm-up")
-    parser.add_argument("--render", action="store_true", help="re-render docs/benchmarks.md from the results file only")
     args = parser.parse_args()
     if args.render:
         try:
             document = load_document(RESULTS)
         except (OSError, ValueError) as err:
             parser.error(f"cannot render: {err}")
-        write_docs(document)
+        publish_document(document, render_sections)
         return
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-    for preset in presets:
-        if preset not in PRESET_NAMES:
-            parser.error(f"unknown preset {preset!r}{nearest(preset, PRESET_NAMES)}; valid: {', '.join(PRESET_NAMES)}")
-    if not presets or args.reps < 1 or args.steps <= WARMUP:
-        parser.error(f"need at least one preset, --reps >= 1 and --steps > {WARMUP} (the warm-up steps)")
+    presets = parse_presets(parser, args.presets)
+    if args.reps < 1 or args.steps <= WARMUP:
+        parser.error(f"need --reps >= 1 and --steps > {WARMUP} (the warm-up steps)")
     results = {
         "settings": {"presets": presets, "reps": args.reps, "steps": args.steps, "warmup": WARMUP, "goal": GOAL},
         "runs": measure(presets, args.reps, args.steps),
     }
     document = write_results(RESULTS, results)
-    write_docs(document)
+    publish_document(document, render_sections)
     print(render_sections(document)["hang-overhead"])
 
 

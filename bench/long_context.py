@@ -17,7 +17,6 @@ Two sections of docs/long_context.md, both rendered from bench/results/long_cont
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -29,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from bench._bench_util import (  # noqa: E402
     REPO,
     bench_env,
-    free_port,
-    load_document,
-    publish_sections,
+    bench_parser,
+    render_from_file,
     table_head,
+    torchrun_command,
     write_results,
 )
 from common.errors import exit_on_user_error  # noqa: E402
@@ -86,8 +85,7 @@ def plan_longest() -> list[dict]:
 def measure_activations() -> list[dict]:
     """The worker's cases on 2 gloo processes, with the planner's figures at SP 1 and SP 2."""
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-        command += ["--master_port", str(free_port()), str(WORKER), "--out", out]
+        command = [*torchrun_command(2), str(WORKER), "--out", out]
         proc = subprocess.run(command, cwd=REPO, env=bench_env(), capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"the worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -170,13 +168,11 @@ def render_sections(document: dict) -> dict[str, str]:
 
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
+    parser = bench_parser(__doc__)
     args = parser.parse_args()
     if not args.render:
         write_results(RESULTS, {"longest": plan_longest(), "measured": measure_activations()})
-    document = load_document(RESULTS)
-    publish_sections(render_sections(document), document["provenance"], {name: DOC for name in SECTIONS})
+    render_from_file(RESULTS, render_sections, {name: DOC for name in SECTIONS})
 
 
 if __name__ == "__main__":

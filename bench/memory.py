@@ -20,7 +20,6 @@ rendered from that file alone.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
-from bench._bench_util import DOC, REPO, launch_group, load_document, publish_sections, table_head, write_results  # noqa: E402
+from bench._bench_util import DOC, REPO, bench_parser, launch_group, render_from_file, table_head, write_results  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 from common.memory_formulas import facts_from_hf_config  # noqa: E402
 from common.tools.memory import PlanInputs, plan  # noqa: E402
@@ -239,14 +238,12 @@ def measure(world_sizes: list[int]) -> list[dict]:
 # --render: a results file that is missing or was not written by write_results is one line, not a traceback.
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--world-sizes", default="1,2,4")
-    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
     args = parser.parse_args()
     if not args.render:
         write_results(RESULTS, {"cells": measure([int(n) for n in args.world_sizes.split(",")])})
-    document = load_document(RESULTS)
-    publish_sections(render_sections(document), document["provenance"], DOCS)
+    render_from_file(RESULTS, render_sections, DOCS)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ bench/results/nvme_io.json is written by this script alone (bench/_bench_util.wr
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -49,10 +48,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 from bench._bench_util import (  # noqa: E402
     bench_env,
-    load_document,
+    bench_parser,
     median,
-    publish_sections,
-    spread,
+    median_and_range,
+    publish_document,
+    render_from_file,
     table_head,
     write_results,
 )
@@ -209,8 +209,8 @@ def measure(folder: Path, size: int, block_sizes: list[int], depths: list[int], 
                 row[f"{direction}_gbps"] = gbps(size, run_ds_io(cmd, reps))
             runs.append(row)
             print(
-                f"block {human_bytes(block_size):>7} depth {depth:>3}: write {cell(row['write_gbps'])} GB/s, "
-                f"read {cell(row['read_gbps'])} GB/s",
+                f"block {human_bytes(block_size):>7} depth {depth:>3}: write {median_and_range(row['write_gbps'])} "
+                f"GB/s, read {median_and_range(row['read_gbps'])} GB/s",
                 flush=True,
             )
     return runs
@@ -230,8 +230,8 @@ def measure_node(folder: Path, size: int, reps: int, aio: dict, processes: int) 
         )
         row[f"{direction}_gbps"] = gbps(processes * size, run_ds_io(cmd, reps))
     print(
-        f"{processes} processes at once, the preset's setting: write {cell(row['write_gbps'])} GB/s, "
-        f"read {cell(row['read_gbps'])} GB/s (the node's)",
+        f"{processes} processes at once, the preset's setting: write {median_and_range(row['write_gbps'])} GB/s, "
+        f"read {median_and_range(row['read_gbps'])} GB/s (the node's)",
         flush=True,
     )
     return row
@@ -245,11 +245,6 @@ def human_bytes(n: int) -> str:
         if n >= scale and n % scale == 0:
             return f"{n // scale} {unit}"
     return f"{n} B"
-
-
-def cell(values: list[float]) -> str:
-    low, high = spread(values)
-    return f"{median(values):.2f} ({low:.2f}-{high:.2f})"
 
 
 def best_setting(runs: list[dict]) -> dict:
@@ -275,7 +270,7 @@ def render_nvme_io(results: dict) -> str:
         mark = "**" if (row["block_size"], row["queue_depth"]) == (best["block_size"], best["queue_depth"]) else ""
         lines.append(
             f"| {mark}{human_bytes(row['block_size'])}{mark} | {mark}{row['queue_depth']}{mark} | "
-            f"{cell(row['write_gbps'])} | {cell(row['read_gbps'])} |"
+            f"{median_and_range(row['write_gbps'])} | {median_and_range(row['read_gbps'])} |"
         )
     preset = settings["preset_aio"]
     in_ram = storage["filesystem"] in RAM_FILESYSTEMS
@@ -291,8 +286,9 @@ def render_nvme_io(results: dict) -> str:
             "",
             f"**{node['processes']} processes at once** (the preset's setting, block "
             f"{human_bytes(node['block_size'])}, queue depth {node['queue_depth']}; each its own file, as the ranks of "
-            f"a node swap at once): **write {cell(node['write_gbps'])}, read {cell(node['read_gbps'])} GB/s for the "
-            "node**. The planner's NVMe link is the node's (its ranks' bytes add up), so this is the figure to give "
+            f"a node swap at once): **write {median_and_range(node['write_gbps'])}, read "
+            f"{median_and_range(node['read_gbps'])} GB/s for the node**. The planner's NVMe link is the node's (its "
+            "ranks' bytes add up), so this is the figure to give "
             f"it: `--bandwidth nvme={(median(node['write_gbps']) + median(node['read_gbps'])) / 2:.2f}` (the mean of "
             "the two; bench/offload_time.py measures this figure again in its own run and checks the planner's "
             "disk time at it against the disk's busy time).",
@@ -335,17 +331,13 @@ def render_sections(document: dict) -> dict[str, str]:
     return {"nvme-io": render_nvme_io(document["results"])}
 
 
-def write_docs(document: dict) -> None:
-    publish_sections(render_sections(document), document["provenance"], {})
-
-
 # --- command line ------------------------------------------------------------------------------------------
 
 
 # --render: a results file that is missing or was not written by write_results is one line, not a traceback.
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--path", default=None, help="folder to measure (default: a temporary one under .)")
     parser.add_argument("--size", default="256MiB", help="bytes per file, e.g. 256MiB, 4GiB (default 256MiB)")
     parser.add_argument("--block-sizes", default="256KiB,1MiB,4MiB", help="aio block_size values to try")
@@ -358,10 +350,9 @@ def main() -> None:
         help="also measure the preset's setting with this many processes at once: the ranks of one node (default 2; "
         "1: skip)",
     )
-    parser.add_argument("--render", action="store_true", help="re-render docs/benchmarks.md from the results file only")
     args = parser.parse_args()
     if args.render:
-        write_docs(load_document(RESULTS))
+        render_from_file(RESULTS, render_sections)
         return
     size = int(parse_bytes(args.size))
     block_sizes, depths = parse_sizes(args.block_sizes), parse_depths(args.queue_depths)
@@ -395,7 +386,7 @@ def main() -> None:
         "node": node,
     }
     document = write_results(RESULTS, results)
-    write_docs(document)
+    publish_document(document, render_sections)
     print(render_sections(document)["nvme-io"])
 
 

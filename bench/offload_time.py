@@ -28,7 +28,6 @@ script alone (with provenance); the "offload-time" section of docs/benchmarks.md
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -42,10 +41,11 @@ import torch  # noqa: E402
 from nvme_io import measure_node  # noqa: E402
 
 from bench._bench_util import (  # noqa: E402
+    bench_parser,
     launch_group,
-    load_document,
     median,
-    publish_sections,
+    publish_document,
+    render_from_file,
     spread,
     table_head,
     write_results,
@@ -280,16 +280,14 @@ def render_sections(document: dict) -> dict[str, str]:
 
 @exit_on_user_error(ValueError, FileNotFoundError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--render", action="store_true", help="re-render docs/benchmarks.md from the results file only")
     args = parser.parse_args()
     if args.render:
-        document = load_document(RESULTS)
-        publish_sections(render_sections(document), document["provenance"], {})
+        render_from_file(RESULTS, render_sections)
         return
     if args.steps <= WARMUP or args.reps < 1:
         parser.error(f"need --steps > {WARMUP} (the warm-up) and --reps >= 1")
@@ -303,7 +301,7 @@ def main() -> None:
         "summary": summarize(runs, bandwidths),
     }
     document = write_results(RESULTS, results)
-    publish_sections(render_sections(document), document["provenance"], {})
+    publish_document(document, render_sections)
     print(render_sections(document)["offload-time"])
 
 

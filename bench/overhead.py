@@ -44,16 +44,19 @@ import json
 import pstats
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 from bench._bench_util import (  # noqa: E402
+    bench_parser,
     environment,
     launch_group,
     load_document,
     median,
-    publish_sections,
+    median_and_range,
+    publish_document,
     rotated,
     spread,
     table_head,
@@ -89,7 +92,8 @@ AREAS = (
 # --- measuring ---------------------------------------------------------------------------------------
 
 
-def run_group(backend: str, preset: str, steps: int, out: Path, profile: Path | None = None) -> dict:
+def run_step_worker(backend: str, preset: str, steps: int, out: Path, profile: Path | None = None) -> dict:
+    """One 2-process group of bench/_step_worker.py under ``backend``: what its rank 0 wrote to ``out``."""
     args = ["--backend", backend, "--preset", preset, "--steps", str(steps), "--out", str(out)]
     if profile is not None:
         args += ["--profile", str(profile)]
@@ -132,7 +136,7 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict[str, li
         for rep in range(reps):
             for preset in presets:
                 for backend in rotated(BACKENDS, rep):
-                    run = run_group(backend, preset, steps, Path(tmp) / f"{backend}-{preset}-{rep}.json")
+                    run = run_step_worker(backend, preset, steps, Path(tmp) / f"{backend}-{preset}-{rep}.json")
                     figures = step_figures(run, WARMUP)
                     runs[preset][backend].append(figures)
                     print(
@@ -143,22 +147,34 @@ def measure(presets: list[str], reps: int, steps: int) -> dict[str, dict[str, li
     return runs
 
 
-def measure_allocator(reps: int, steps: int) -> dict[str, dict[str, list[dict]]]:
-    """runs[setting][backend]: one figures dict per repetition, settings and backends in rotated order."""
-    runs: dict[str, dict[str, list[dict]]] = {s: {b: [] for b in ALLOCATOR_BACKENDS} for s in ALLOCATOR_SETTINGS}
-    groups = tuple((setting, backend) for setting in ALLOCATOR_SETTINGS for backend in ALLOCATOR_BACKENDS)
+def allocator_groups(
+    preset: str, settings: dict[str, str | None], backends: tuple[str, ...], reps: int, steps: int
+) -> Iterator[tuple[int, str, str, dict]]:
+    """(repetition, setting, backend, the worker's result) of every group: each repetition runs every backend under
+    every ``ZR_KEEP_FREED_MEMORY`` value of ``settings`` (setting name -> value, None: unset), in an order rotated
+    from one repetition to the next, a fresh group each."""
+    groups = tuple((setting, backend) for setting in settings for backend in backends)
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(reps):
             for setting, backend in rotated(groups, rep):
-                with environment({KEEP_FREED_MEMORY_ENV: ALLOCATOR_SETTINGS[setting]}):
-                    run = run_group(backend, ALLOCATOR_PRESET, steps, Path(tmp) / f"{backend}.json")
-                figures = step_figures(run, WARMUP)
-                runs[setting][backend].append(figures)
-                print(
-                    f"rep {rep} {setting:>17} {backend:>10}: CPU {figures['cpu_ms']:7.1f} ms/step (both ranks), "
-                    f"{figures['page_faults']:8.0f} page faults/step",
-                    flush=True,
-                )
+                with environment({KEEP_FREED_MEMORY_ENV: settings[setting]}):
+                    run = run_step_worker(backend, preset, steps, Path(tmp) / f"{backend}.json")
+                yield rep, setting, backend, run
+
+
+def measure_allocator(reps: int, steps: int) -> dict[str, dict[str, list[dict]]]:
+    """runs[setting][backend]: one figures dict per repetition, settings and backends in rotated order."""
+    runs: dict[str, dict[str, list[dict]]] = {s: {b: [] for b in ALLOCATOR_BACKENDS} for s in ALLOCATOR_SETTINGS}
+    for rep, setting, backend, run in allocator_groups(
+        ALLOCATOR_PRESET, ALLOCATOR_SETTINGS, ALLOCATOR_BACKENDS, reps, steps
+    ):
+        figures = step_figures(run, WARMUP)
+        runs[setting][backend].append(figures)
+        print(
+            f"rep {rep} {setting:>17} {backend:>10}: CPU {figures['cpu_ms']:7.1f} ms/step (both ranks), "
+            f"{figures['page_faults']:8.0f} page faults/step",
+            flush=True,
+        )
     return runs
 
 
@@ -199,7 +215,7 @@ def profile(preset: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for backend in BACKENDS:
             prof = Path(tmp) / f"{backend}.prof"
-            run = run_group(backend, preset, steps, Path(tmp) / f"{backend}.json", prof)
+            run = run_step_worker(backend, preset, steps, Path(tmp) / f"{backend}.json", prof)
             after = run["profile_after"]  # the worker profiles the steps after this many
             rank0_cpu = run["ranks"][0]["thread_cpu_step_times"][after:]
             backends[backend] = {"thread_cpu_ms": mean(rank0_cpu) * 1e3, **breakdown(prof, steps - after)}
@@ -358,7 +374,7 @@ def kept_over_defaults(runs: dict[str, dict[str, list[dict]]], backend: str) -> 
 def effect_words(ratios_: list[float]) -> str:
     """What a backend's kept / defaults CPU-time ratios say, in words, with median and min-max."""
     low, high = spread(ratios_)
-    figures = f"x{median(ratios_):.3f} ({low:.3f}-{high:.3f})"
+    figures = f"x{median_and_range(ratios_, digits=3)}"
     if high < 1:
         return f"helps: CPU time per step {figures}, lower in every repetition"
     if low > 1:
@@ -491,11 +507,6 @@ def reading(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_docs(document: dict) -> None:
-    """Write every rendered section under the "Command:" line of the run that measured it (its provenance)."""
-    publish_sections(render_sections(document), document["provenance"], {})
-
-
 # --- command line ------------------------------------------------------------------------------------
 
 
@@ -510,7 +521,7 @@ def parse_presets(parser: argparse.ArgumentParser, text: str) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--presets", default=None, help="default: deepspeed_stage_2,deepspeed_stage_3")
     parser.add_argument("--reps", type=int, default=None, help="default: 5")
     parser.add_argument("--steps", type=int, default=20, help=f"optimizer steps per run, the first {WARMUP} warm-up")
@@ -528,9 +539,6 @@ def main() -> None:
         action="store_true",
         help=f"measure only the allocator comparison (--allocator-reps, --steps) into {ALLOCATOR_RESULTS.name}",
     )
-    parser.add_argument(
-        "--render", action="store_true", help="re-render docs/benchmarks.md from the results files only"
-    )
     args = parser.parse_args()
     if args.render:
         for path in (RESULTS, ALLOCATOR_RESULTS):
@@ -538,7 +546,7 @@ def main() -> None:
                 document = load_document(path)
             except (OSError, ValueError) as err:
                 parser.error(f"cannot render: {err}")
-            write_docs(document)
+            publish_document(document, render_sections)
         return
     if args.allocator_only:
         for value, option in ((args.presets, "--presets"), (args.reps, "--reps"), (args.profile, "--profile")):
@@ -557,7 +565,7 @@ def main() -> None:
         document = write_results(
             ALLOCATOR_RESULTS, {"steps": args.steps, "warmup": WARMUP, "allocator_only": allocator}
         )
-        write_docs(document)
+        publish_document(document, render_sections)
         print(render_sections(document)["overhead-allocator"])
         return
     presets = parse_presets(parser, args.presets or "deepspeed_stage_2,deepspeed_stage_3")
@@ -579,7 +587,7 @@ def main() -> None:
     if args.profile:
         results["profile"] = profile(presets[-1], args.profile_steps)
         document = write_results(RESULTS, results)
-    write_docs(document)
+    publish_document(document, render_sections)
     for body in render_sections(document).values():
         print(body + "\n")
 

@@ -20,11 +20,8 @@ the "Parallelism on this machine" section of docs/parallelism.md from it.
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
@@ -32,12 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from bench._bench_util import (  # noqa: E402
     REPO,
     add_results_options,
+    bench_parser,
     free_port,
     holding,
     render_from_file,
     run_and_count_cpu,
     save_and_publish,
     table_head,
+    torchrun_command,
+    work_folder,
 )
 from common.errors import exit_on_user_error  # noqa: E402
 
@@ -83,8 +83,7 @@ def command_line(launcher: str) -> list[str]:
             str(free_port()),
             "recipes/nlp/train_accelerate.py",
         ]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    return [*torchrun, "--master_port", str(free_port()), "recipes/nlp/train_pipeline.py"]
+    return [*torchrun_command(2), "recipes/nlp/train_pipeline.py"]
 
 
 def run_layout(launcher: str, args: list[str], out_dir: Path, lock: Path | None) -> dict:
@@ -169,7 +168,7 @@ def render_sections(document: dict) -> dict[str, str]:
 
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--work-dir", default=None, help="where the runs are written (default: a temp folder)")
     parser.add_argument("--lock", type=Path, default=None, help="hold an exclusive flock on this file during each run")
     add_results_options(parser, RESULTS)
@@ -177,12 +176,10 @@ def main() -> None:
     if args.render:
         render_from_file(args.json, render_sections, DOCS)
         return
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="zr-parallelism-"))
-    results = measure(work, args.lock)
-    print(render_sections({"results": results})["Parallelism on this machine"])
-    save_and_publish(args, results, render_sections, DOCS)
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+    with work_folder(args.work_dir, "zr-parallelism-") as work:
+        results = measure(work, args.lock)
+        print(render_sections({"results": results})["Parallelism on this machine"])
+        save_and_publish(args, results, render_sections, DOCS)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ row for them is added by ``--runs`` with their names once a machine can run them
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -35,6 +34,7 @@ from bench._bench_util import (  # noqa: E402
     REPO,
     add_results_options,
     bench_env,
+    bench_parser,
     free_port,
     load_document,
     provenance,
@@ -234,7 +234,7 @@ def render_sections(document: dict) -> dict[str, str]:
 
 @exit_on_user_error(FileNotFoundError, ValueError)
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=CPU_RUNS, help="rows to (re)measure")
     parser.add_argument("--solver-samples", type=int, default=4, help="samples of the solvers' refinement check")
     add_results_options(parser, RESULTS)

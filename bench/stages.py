@@ -17,7 +17,6 @@ docs/img/stage_ladder.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -28,10 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from bench._bench_util import (  # noqa: E402
     DOC,
     REPO,
+    bench_parser,
     launch_group,
     load_document,
     median,
-    publish_sections,
+    publish_document,
     spread,
     table_head,
     write_results,
@@ -257,17 +257,16 @@ def plot_ladder(rows: dict[str, dict]) -> None:
 
 def publish(document: dict) -> None:
     """Write the docs sections and the plot from a results document."""
-    publish_sections(render_sections(document), document["provenance"], DOCS)
+    publish_document(document, render_sections, DOCS)
     plot_ladder(document["results"]["presets"])
 
 
 @exit_on_user_error(ValueError, FileNotFoundError)  # --render: a results file missing or without provenance
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--presets", default=",".join(PRESET_NAMES), help="comma-separated (default: every preset)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--render", action="store_true", help="rewrite the docs from the results file; measure nothing")
     args = parser.parse_args()
     if args.render:
         publish(load_document(RESULTS))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -10,18 +9,9 @@ import pytest
 
 from common.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench/ is importable from there
 
-
-def load_nvme_io():
-    spec = importlib.util.spec_from_file_location("bench_nvme_io_unit", REPO / "bench" / "nvme_io.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-nvme_io = load_nvme_io()
+from bench import nvme_io  # noqa: E402
 
 # The lines ds_io (DeepSpeed 0.19, deepspeed/nvme/io_engine.py) prints for tid 0, warm-up loop first.
 DS_IO_LOG = """tid 0: running main task 3
