@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _marked_processes import kill_left_after
 from _util import PYTHON, REPO, free_port, subprocess_env
 
 from common.hang import analyze, read_reports
@@ -36,22 +37,6 @@ TIMEOUT_S = 10  # the collective timeout of the faulty runs
 EXIT_WITHIN_S = 60  # after the timeout, every process must be gone
 START_UP_S = 240  # imports, DeepSpeed set-up and the first steps on a loaded 2-core machine
 MARKER = "ZR_HANG_TEST_RUN"
-
-
-def processes_marked(run_id: str) -> list[int]:
-    """Pids of live processes started for this run (every rank inherits the marker through its environment)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-            state = (proc / "stat").read_text().split(")")[-1].split()[0]
-        except OSError:
-            continue
-        if f"{MARKER}={run_id}".encode() in environ and state != "Z":
-            found.append(int(proc.name))
-    return found
 
 
 def launch(backend: str, fault: str, fault_rank: int, world: int, out: Path) -> tuple[str, float]:
@@ -78,12 +63,7 @@ def launch(backend: str, fault: str, fault_rank: int, world: int, out: Path) -> 
     fault_file = out / "fault.json"
     assert fault_file.exists(), f"the fault never happened:\n{output[-4000:]}"
     fault_time = json.loads(fault_file.read_text())["time"]
-    deadline = fault_time + TIMEOUT_S + EXIT_WITHIN_S
-    while processes_marked(run_id) and time.time() < deadline:
-        time.sleep(0.5)
-    left = processes_marked(run_id)
-    for pid in left:  # do not leave them to the rest of the suite
-        os.kill(pid, signal.SIGKILL)
+    left = kill_left_after(MARKER, run_id, fault_time + TIMEOUT_S + EXIT_WITHIN_S - time.time())
     assert not left, f"processes still running {EXIT_WITHIN_S} s after the timeout: {left}\n{output[-4000:]}"
     return output, time.time() - fault_time
 

@@ -15,14 +15,14 @@ The first NVMe run compiles DeepSpeed's async I/O op (about 3-4 minutes on 2 cor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from _util import PYTHON, REPO, accelerate_launch, run
+from _util import REPO
+from _worker_runs import launch_worker, launched_once, mean_losses, relative_gap
 
 from common.memory_formulas import MIN_SWAPPED_BYTES, nvme_swapped_bytes_per_rank
-from common.strategy import RunFacts, resolve_deepspeed_config, write_accelerate_files
+from common.strategy import RunFacts
 
 pytestmark = pytest.mark.slow
 
@@ -55,33 +55,13 @@ def launch(backend: str, name: str, out: Path) -> list[dict]:
     ]
     for override in overrides:
         args += ["--set", override]
-    if backend == "lightning":
-        run([PYTHON, WORKER, *args], timeout=900)
-    else:
-        facts = RunFacts(world_size=2, micro_batch_size=4, precision="fp32", hidden_size=WIDTH, nvme_path=str(swap))
-        ds = resolve_deepspeed_config(preset, facts, dict(o.split("=", 1) for o in overrides))
-        accelerate_launch(WORKER, args, write_accelerate_files(ds, out / "launch", num_processes=2), timeout=900)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    facts = RunFacts(world_size=2, micro_batch_size=4, precision="fp32", hidden_size=WIDTH, nvme_path=str(swap))
+    return launch_worker(WORKER, backend, args, out, preset, facts, overrides)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    cache: dict[tuple[str, str], list[dict]] = {}
-
-    def get(backend: str, name: str) -> list[dict]:
-        if (backend, name) not in cache:
-            cache[(backend, name)] = launch(backend, name, tmp_path_factory.mktemp(f"{backend}-{name}"))
-        return cache[(backend, name)]
-
-    return get
-
-
-def mean_losses(records: list[dict]) -> list[float]:
-    return [sum(step) / len(step) for step in zip(*(r["losses"] for r in records))]
-
-
-def relative_gap(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    return launched_once(tmp_path_factory, launch)
 
 
 @pytest.mark.parametrize("backend", ["lightning", "accelerate"])

@@ -12,14 +12,14 @@ What is checked, for stages 0-3 on Lightning and on Accelerate:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from _util import PYTHON, REPO, accelerate_launch, run
+from _util import REPO
+from _worker_runs import launch_worker, launched_once, mean_losses, relative_gap
 
 from common.accounting import predicted_model_state_bytes
-from common.strategy import RunFacts, resolve_deepspeed_config, write_accelerate_files
+from common.strategy import RunFacts
 
 pytestmark = pytest.mark.slow
 
@@ -44,70 +44,31 @@ FROZEN_CLIPPING = 0.0  # the frozen-weights runs: off, which the factory must wr
 def launch(
     backend: str, preset: str, precision: str, out: Path, clipping: float, extra: list[str] | None = None
 ) -> list[dict]:
-    args = [
-        "--backend",
-        backend,
-        "--preset",
-        preset,
-        "--precision",
-        precision,
-        "--out",
-        str(out),
-        "--lr",
-        "3e-5",
-        "--gradient-clipping",
-        str(clipping),
-        *(extra or []),
-    ]
-    if backend == "lightning":
-        run([PYTHON, WORKER, *args], timeout=600)
-    else:
-        facts = RunFacts(
-            world_size=2, micro_batch_size=4, precision=precision, hidden_size=512, gradient_clipping=clipping
-        )
-        cfg = write_accelerate_files(resolve_deepspeed_config(preset, facts), out / "launch", num_processes=2)
-        accelerate_launch(WORKER, args, cfg, timeout=600)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    args = ["--backend", backend, "--preset", preset, "--precision", precision, "--out", str(out), "--lr", "3e-5"]
+    args += ["--gradient-clipping", str(clipping), *(extra or [])]
+    facts = RunFacts(world_size=2, micro_batch_size=4, precision=precision, hidden_size=512, gradient_clipping=clipping)
+    return launch_worker(WORKER, backend, args, out, preset, facts, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    cache: dict[tuple[str, str, str], list[dict]] = {}
+    def launch_stage(backend: str, stage: int, precision: str, out: Path) -> list[dict]:
+        return launch(backend, STAGE_PRESETS[stage], precision, out, MAIN_CLIPPING)
 
-    def get(backend: str, stage: int, precision: str) -> list[dict]:
-        key = (backend, STAGE_PRESETS[stage], precision)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(f"{backend}-{stage}-{precision}")
-            cache[key] = launch(backend, key[1], precision, out, MAIN_CLIPPING)
-        return cache[key]
-
-    return get
+    return launched_once(tmp_path_factory, launch_stage)
 
 
 @pytest.fixture(scope="module")
 def frozen_runs(tmp_path_factory):
     """The LoRA situation: stage 3, most weights frozen, blocks checkpointed (reentrant), clipping off."""
-    cache: dict[str, list[dict]] = {}
 
-    def get(backend: str) -> list[dict]:
-        if backend not in cache:
-            out = tmp_path_factory.mktemp(f"{backend}-frozen")
-            # lr 1e-3: only the 513-weight head trains; at 3e-5 its bf16 copy barely moves in 5 steps, at 1e-2
-            # Adam overshoots (the fixed-batch loss rose 0.83 -> 1.17 on Accelerate).
-            extra = ["--frozen", "--activation-checkpointing", "full", "--lr", "1e-3"]
-            cache[backend] = launch(backend, "deepspeed_stage_3", "bf16", out, FROZEN_CLIPPING, extra)
-        return cache[backend]
+    def launch_frozen(backend: str, out: Path) -> list[dict]:
+        # lr 1e-3: only the 513-weight head trains; at 3e-5 its bf16 copy barely moves in 5 steps, at 1e-2
+        # Adam overshoots (the fixed-batch loss rose 0.83 -> 1.17 on Accelerate).
+        extra = ["--frozen", "--activation-checkpointing", "full", "--lr", "1e-3"]
+        return launch(backend, "deepspeed_stage_3", "bf16", out, FROZEN_CLIPPING, extra)
 
-    return get
-
-
-def mean_losses(records: list[dict]) -> list[float]:
-    """The global loss per step: the mean over ranks of each rank's micro-batch loss."""
-    return [sum(step) / len(step) for step in zip(*(r["losses"] for r in records))]
-
-
-def relative_gap(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    return launched_once(tmp_path_factory, launch_frozen)
 
 
 @pytest.mark.parametrize("backend", ["lightning", "accelerate"])

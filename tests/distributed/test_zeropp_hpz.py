@@ -9,13 +9,13 @@ collectives (qwZ, qgZ) need DeepSpeed's CUDA kernels, so they are switched off h
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from _util import PYTHON, REPO, accelerate_launch, run
+from _util import REPO
+from _worker_runs import launch_worker, launched_once, mean_losses, relative_gap
 
-from common.strategy import RunFacts, resolve_deepspeed_config, write_accelerate_files
+from common.strategy import RunFacts
 
 pytestmark = pytest.mark.slow
 
@@ -32,32 +32,15 @@ def launch(backend: str, name: str, out: Path) -> list[dict]:
     args += ["--devices", str(WORLD), "--devices-per-node", str(PER_NODE)]
     for override in overrides:
         args += ["--set", override]
-    if backend == "lightning":
-        run([PYTHON, WORKER, *args], timeout=900)
-    else:
-        facts = RunFacts(
-            world_size=WORLD, micro_batch_size=4, precision="fp32", hidden_size=WIDTH, devices_per_node=PER_NODE
-        )
-        ds = resolve_deepspeed_config(preset, facts, dict(o.split("=", 1) for o in overrides))
-        config = write_accelerate_files(ds, out / "launch", num_processes=WORLD)
-        accelerate_launch(WORKER, args, config, num_processes=WORLD, timeout=900)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    facts = RunFacts(
+        world_size=WORLD, micro_batch_size=4, precision="fp32", hidden_size=WIDTH, devices_per_node=PER_NODE
+    )
+    return launch_worker(WORKER, backend, args, out, preset, facts, overrides)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    cache: dict[tuple[str, str], list[dict]] = {}
-
-    def get(backend: str, name: str) -> list[dict]:
-        if (backend, name) not in cache:
-            cache[(backend, name)] = launch(backend, name, tmp_path_factory.mktemp(f"{backend}-{name}"))
-        return cache[(backend, name)]
-
-    return get
-
-
-def mean_losses(records: list[dict]) -> list[float]:
-    return [sum(step) / len(step) for step in zip(*(r["losses"] for r in records))]
+    return launched_once(tmp_path_factory, launch)
 
 
 @pytest.mark.parametrize("backend", ["lightning", "accelerate"])
@@ -71,7 +54,7 @@ def test_hpz_losses_equal_plain_stage3(runs, backend):
     assert all(r["secondary_partitions"] == 0 for r in plain)
     a, b = mean_losses(hpz), mean_losses(plain)
     assert len(a) == len(b) == 4
-    gap = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    gap = relative_gap(a, b)
     print(f"{backend} hpZ {PER_NODE} on {WORLD} ranks, fp32: max relative gap to stage 3 = {gap:.2e}")
     assert gap <= FP32_RTOL, (a, b)
     assert hpz[0]["fixed_batch_loss"]["after"] < hpz[0]["fixed_batch_loss"]["before"]

@@ -16,9 +16,12 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from _marked_processes import kill_left_after, marked_processes
 from _util import PYTHON, REPO, subprocess_env
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -27,24 +30,10 @@ from _bench_util import read_results  # noqa: E402
 MARKER = "ZR_GPU_BENCH_TEST_RUN"
 HANG_ENV = "ZERO_RECIPES_TEST_GPU_BENCH_HANG"  # bench/_gpu_worker.py's (importing it would import the recipe)
 START_UP_S = 240  # a variant's imports and DeepSpeed set-up on a loaded 2-core machine
+# The limit of the variant that runs out of time: the test waits all of it. Its worker hangs once its process group
+# is up, which took 8 s here (the terminated-bench test's whole run), so 30 s still kills it hanging, not starting.
+LIMIT_S = 30
 GONE_WITHIN_S = 30  # after the bench returns, no process of it may be left
-
-
-def marked(run_id: str) -> list[tuple[int, str]]:
-    """(pid, command line) of live processes started for this run (each inherits the marker in its environment)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-            state = (proc / "stat").read_text().split(")")[-1].split()[0]
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if f"{MARKER}={run_id}".encode() in environ and state != "Z":
-            found.append((int(proc.name), cmdline))
-    return found
 
 
 def session_of(pid: int) -> int | None:
@@ -57,16 +46,19 @@ def session_of(pid: int) -> int | None:
 def hung_worker(run_id: str, variant: str) -> int | None:
     """The pid of the variant's worker once it hangs (torchrun's child, in a session of its own, with its own child
     started), else None."""
-    processes = marked(run_id)
-    children = {session_of(child) for child, command in processes if command.startswith("sleep 3600")}
-    for pid, cmdline in processes:
+    processes = marked_processes(MARKER, run_id)
+    children = {session_of(child) for child, command in processes.items() if command.startswith("sleep 3600")}
+    for pid, cmdline in processes.items():
         worker = "_gpu_worker.py" in cmdline and f'"name": "{variant}"' in cmdline and session_of(pid) == pid
         if worker and pid in children:
             return pid
     return None
 
 
-def start_bench(tmp_path: Path, variants: str, timeout_s: float, hang: str) -> tuple[subprocess.Popen, str, Path]:
+@contextmanager
+def bench(tmp_path: Path, variants: str, timeout_s: float, hang: str) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """bench/gpu.py in CPU mode with ``hang``'s worker hanging, until the block has waited for the hung worker and
+    for the bench; then no process of it may be left (those left are killed, then the test fails)."""
     run_id, results = uuid.uuid4().hex, tmp_path / "gpu.json"
     args = ["--cpu", "--variants", variants, "--variant-timeout-s", str(timeout_s)]
     args += ["--json", str(results), "--doc", str(tmp_path / "benchmarks_gpu.md")]
@@ -74,60 +66,42 @@ def start_bench(tmp_path: Path, variants: str, timeout_s: float, hang: str) -> t
     proc = subprocess.Popen(
         [PYTHON, "bench/gpu.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    return proc, run_id, results
-
-
-def wait_for_worker(proc: subprocess.Popen, run_id: str, variant: str) -> int:
-    deadline = time.monotonic() + START_UP_S
-    while (pid := hung_worker(run_id, variant)) is None:
-        assert proc.poll() is None, f"the bench ended before {variant} ran:\n{proc.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"{variant}'s worker never started"
-        time.sleep(0.5)
-    return pid
-
-
-def assert_nothing_left(run_id: str) -> None:
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while (left := marked(run_id)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for pid, _ in left:  # do not leave them to the rest of the suite, then fail
-        os.kill(pid, signal.SIGKILL)
+    try:
+        deadline = time.monotonic() + START_UP_S
+        while hung_worker(run_id, hang) is None:
+            assert proc.poll() is None, f"the bench ended before {hang} ran:\n{proc.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, f"{hang}'s worker never started"
+            time.sleep(0.5)
+        yield proc, results
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        left = kill_left_after(MARKER, run_id, GONE_WITHIN_S)  # a failed test leaves none to the rest of the suite
     assert not left, f"processes left running: {left}"
 
 
 @pytest.mark.slow
 def test_a_variant_past_its_limit_is_killed_with_its_workers_and_the_rows_before_it_stay(tmp_path):
-    proc, run_id, results = start_bench(tmp_path, "stage0,stage3", timeout_s=60, hang="stage3")
-    try:
-        wait_for_worker(proc, run_id, "stage3")
+    with bench(tmp_path, "stage0,stage3", timeout_s=LIMIT_S, hang="stage3") as (proc, results):
         # stage3 hangs: stage0's row is already in the results file, with its provenance
         _, written = read_results(results)
         assert [r["name"] for r in written["variants"]] == ["stage0"] and "error" not in written["variants"][0]
         output = proc.communicate(timeout=START_UP_S)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, output[-3000:]
-    assert_nothing_left(run_id)
     stage0, stage3 = read_results(results)[1]["variants"]
     assert stage0["tokens_per_s"] > 0
-    assert stage3["error"].startswith("timed out after 60 s, every process killed; last output:"), stage3
+    assert stage3["error"].startswith(f"timed out after {LIMIT_S} s, every process killed; last output:"), stage3
     assert f"hanging ({HANG_ENV})" in stage3["error"]
-    assert "| stage3 | did not run: `timed out after 60 s" in (tmp_path / "benchmarks_gpu.md").read_text()
+    assert f"| stage3 | did not run: `timed out after {LIMIT_S} s" in (tmp_path / "benchmarks_gpu.md").read_text()
 
 
 @pytest.mark.slow
 def test_a_terminated_bench_kills_the_running_variant_and_keeps_the_rows(tmp_path):
-    proc, run_id, results = start_bench(tmp_path, "stage3,stage0", timeout_s=START_UP_S, hang="stage3")
-    try:
-        wait_for_worker(proc, run_id, "stage3")
+    with bench(tmp_path, "stage3,stage0", timeout_s=START_UP_S, hang="stage3") as (proc, results):
         proc.send_signal(signal.SIGTERM)  # as `timeout` or the device's own limit would
         output = proc.communicate(timeout=GONE_WITHIN_S)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 143, output[-3000:]
-    assert_nothing_left(run_id)
     provenance, written = read_results(results)
     assert provenance["command"].startswith("python bench/gpu.py --cpu --variants stage3,stage0")
     assert written["planned"] == ["stage3", "stage0"]

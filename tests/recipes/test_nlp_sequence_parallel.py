@@ -7,10 +7,11 @@ gradient and the reference's losses.
 
 Which runs (CI time; every stage on each backend): sequence parallel 2 on 2 processes under ZeRO 1, 2 and 3
 (Accelerate) and 1 and 3 (Lightning); sequence parallel 2 x data parallel 2 on 4 processes under ZeRO 3 (Accelerate)
-and 2 (Lightning, where a missing group shows: ZeRO-3 averages over every rank either way), against one process with
-twice the micro-batch. Two of them (Accelerate ZeRO 3, Lightning ZeRO 2) also tile the MLP and the loss
-(common/tiling.py), two (Accelerate ZeRO 1, Lightning ZeRO 3) checkpoint every layer through DeepSpeed's checkpoint
-offload (common/activation.py). ZeRO 1, 2 and 3 at both layouts with SGD, on DeepSpeed's own engine:
+and 2 (Lightning, where a missing group shows: ZeRO-3 averages over every rank either way). Every run trains 4
+sequences a step, so two one-process references serve them all (one per initialisation: ZeRO 1 and ZeRO 3); the
+4-process runs hold half of it per replica. Two of them (Accelerate ZeRO 3, Lightning ZeRO 2) also tile the MLP
+and the loss (common/tiling.py), two (Accelerate ZeRO 1, Lightning ZeRO 3) checkpoint every layer through DeepSpeed's
+checkpoint offload (common/activation.py). ZeRO 1, 2 and 3 at both layouts with SGD, on DeepSpeed's own engine:
 tests/distributed/test_sequence_parallel_grads.py.
 """
 
@@ -112,20 +113,20 @@ def test_a_tiling_or_offload_the_layout_cannot_use_is_refused(keys, message):
 
 # --- slow: every layout trains like one process --------------------------------------------------------
 
-# name: (entry point, processes, ZeRO stage, sequence_parallel, micro-batch size, extra): tiled runs compute the MLP
-# in 3 slices and the loss in 4 (uneven: 32 tokens per rank), on both backends, under ZeRO 2 and 3 (DeepSpeed's
+# name: (entry point, processes, ZeRO stage, sequence_parallel, micro-batch size, extra): every run trains a global
+# batch of 4 sequences, so that one reference per initialisation serves them all (2 processes at sequence parallel 2
+# hold one replica: micro-batch 4; 4 processes hold two: micro-batch 2, half the reference's). Tiled runs compute the
+# MLP in 3 slices and the loss in 4 (uneven: 32 tokens per rank), on both backends, under ZeRO 2 and 3 (DeepSpeed's
 # "not reduced before the last slice" flag, ds_grad_is_ready, is read by both optimizers); offload runs checkpoint
 # every layer through DeepSpeed's checkpoint offload (it marks the layer inputs; a CPU moves none), on both backends.
 RUNS = {
-    "reference_zero1": ("accelerate", 1, 1, 1, 2, ""),
-    "reference_zero3": ("accelerate", 1, 3, 1, 2, ""),
-    "reference_zero1_batch4": ("accelerate", 1, 1, 1, 4, ""),
-    "reference_zero3_batch4": ("accelerate", 1, 3, 1, 4, ""),
-    "accelerate_sp2_zero1_offload": ("accelerate", 2, 1, 2, 2, "offload"),
-    "accelerate_sp2_zero2": ("accelerate", 2, 2, 2, 2, ""),
-    "lightning_sp2_zero1": ("lightning", 2, 1, 2, 2, ""),
-    "accelerate_sp2_zero3_tiled": ("accelerate", 2, 3, 2, 2, "tiled"),
-    "lightning_sp2_zero3_offload": ("lightning", 2, 3, 2, 2, "offload"),
+    "reference_zero1": ("accelerate", 1, 1, 1, 4, ""),
+    "reference_zero3": ("accelerate", 1, 3, 1, 4, ""),
+    "accelerate_sp2_zero1_offload": ("accelerate", 2, 1, 2, 4, "offload"),
+    "accelerate_sp2_zero2": ("accelerate", 2, 2, 2, 4, ""),
+    "lightning_sp2_zero1": ("lightning", 2, 1, 2, 4, ""),
+    "accelerate_sp2_zero3_tiled": ("accelerate", 2, 3, 2, 4, "tiled"),
+    "lightning_sp2_zero3_offload": ("lightning", 2, 3, 2, 4, "offload"),
     "accelerate_sp2_dp2_zero3": ("accelerate", 4, 3, 2, 2, ""),
     "lightning_sp2_dp2_zero2_tiled": ("lightning", 4, 2, 2, 2, "tiled"),
 }
@@ -140,8 +141,8 @@ RESUMED = "accelerate_sp2_zero3_tiled"
 def reference_of(name: str) -> str:
     """One process, the same global batch; ZeRO-3 builds the model inside zero.Init (other initial weights)."""
     _, processes, stage, sp, micro, _ = RUNS[name]
-    global_batch = processes // sp * micro
-    return f"reference_zero{3 if stage == 3 else 1}" + ("_batch4" if global_batch == 4 else "")
+    assert processes // sp * micro == 4, name  # the references' global batch
+    return f"reference_zero{3 if stage == 3 else 1}"
 
 
 def launch(name: str, out_dir, *extra: str) -> None:

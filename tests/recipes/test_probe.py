@@ -9,7 +9,9 @@ without training.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -311,28 +313,56 @@ def test_a_failing_candidate_becomes_a_failed_row(tmp_path):
     assert (tmp_path / "probe.png").is_file() and (tmp_path / "report.md").is_file()
 
 
+def processes_of(folder: Path) -> list[int]:
+    """Pids of the live processes whose command line names ``out_dir=`` under ``folder`` (a candidate's ranks)."""
+    found = subprocess.run(["pgrep", "-f", f"out_dir={folder}"], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found if int(pid) != os.getpid()]
+
+
+def rows_written(report: Path) -> int:
+    """How many rows the probe's report.json holds now (0 before the first; it is rewritten after each row)."""
+    try:
+        return len(json.loads(report.read_text())["rows"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 @pytest.mark.slow
-def test_probe_four_candidates_on_two_cpu_processes(tmp_path):
+def test_probe_four_candidates_on_two_cpu_processes_then_ctrl_c_keeps_the_rows_and_leaves_no_rank(tmp_path):
+    """One real probe, the one a user runs: four candidates measured, then Ctrl-C while a fifth starts its ranks.
+
+    The four rows, the report, the offload timing, the communication and the recommendation come from the rows
+    measured before the interruption; the interruption must leave no rank of the fifth candidate behind."""
+    names = ["ddp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
+    interrupted = "deepspeed_stage_1"
+    args = ["probe", "nlp", "--candidates", ",".join([*names, interrupted]), "--steps", "4", "--devices", "2",
+            "--out", str(tmp_path), *TINY]  # fmt: skip
+    # As from a terminal: SIGINT at its default even when this test runs in a background job (which ignores it).
+    restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     start = time.perf_counter()
-    out = zr(
-        "probe",
-        "nlp",
-        "--candidates",
-        "ddp,deepspeed_stage_2,deepspeed_stage_3,deepspeed_stage_3_offload",
-        "--steps",
-        "4",
-        "--devices",
-        "2",
-        "--out",
-        str(tmp_path),
-        *TINY,
-    )
-    elapsed = time.perf_counter() - start
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    proc = subprocess.Popen([EXE, *args], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=restore_sigint)  # fmt: skip
+    try:
+        report_path, fifth = tmp_path / "report.json", tmp_path / "runs" / interrupted
+        deadline = time.time() + 900
+        # Both ranks of the fifth candidate are up (the launcher's rank 0 and the rank it started).
+        while len(processes_of(fifth)) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert len(processes_of(fifth)) >= 2, "the fifth candidate did not start its ranks in time"
+        assert rows_written(report_path) == len(names)
+        elapsed = time.perf_counter() - start
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output[-3000:]
+    assert processes_of(tmp_path) == [], "a candidate's rank survived Ctrl-C"
     for name in ("report.md", "report.json", "probe.png"):
         assert (tmp_path / name).stat().st_size > 0, name
-    report = json.loads((tmp_path / "report.json").read_text())
-    names = ["ddp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
+    report = json.loads(report_path.read_text())
+    assert report["interrupted"] and "interrupted" in (tmp_path / "report.md").read_text()
     assert [r["candidate"] for r in report["rows"]] == names
     for r in report["rows"]:
         assert r["status"] == "ok", r["status"]
@@ -368,31 +398,3 @@ def test_probe_four_candidates_on_two_cpu_processes(tmp_path):
     assert (cfg["preset"], cfg["activation_checkpointing"]) == (rec["preset"], rec["activation_checkpointing"])
     assert "Recommended" in (tmp_path / "report.md").read_text()
     print(f"probe of 4 candidates: {elapsed:.0f} s")
-
-
-@pytest.mark.slow
-def test_ctrl_c_on_a_real_probe_keeps_the_rows_and_leaves_no_rank(tmp_path):
-    import os
-    import signal
-
-    args = ["probe", "nlp", "--candidates", "deepspeed_stage_2,deepspeed_stage_3", "--steps", "4", "--devices", "2",
-            "--out", str(tmp_path), *TINY]  # fmt: skip
-    # As from a terminal: SIGINT at its default even when this test runs in a background job (which ignores it).
-    restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
-    proc = subprocess.Popen([EXE, *args], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, preexec_fn=restore_sigint)  # fmt: skip
-    report = tmp_path / "report.json"
-    deadline = time.time() + 400
-    while not report.is_file() and proc.poll() is None and time.time() < deadline:
-        time.sleep(1)
-    assert report.is_file(), proc.communicate()[0][-3000:] if proc.poll() is not None else "no row in time"
-    time.sleep(8)  # the second candidate is starting its ranks
-    proc.send_signal(signal.SIGINT)
-    output = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 130, output[-3000:]
-    data = json.loads(report.read_text())
-    assert data["interrupted"] and [r["candidate"] for r in data["rows"]] == ["deepspeed_stage_2"]
-    assert data["recommendation"]["preset"] == "deepspeed_stage_2"
-    assert (tmp_path / "report.md").is_file() and (tmp_path / "probe.png").is_file()
-    leftover = subprocess.run(["pgrep", "-f", f"out_dir={tmp_path}"], capture_output=True, text=True).stdout.split()
-    assert [pid for pid in leftover if int(pid) != os.getpid()] == [], "a candidate's rank survived Ctrl-C"

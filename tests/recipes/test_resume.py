@@ -153,17 +153,21 @@ def step_8_write_in_flight(out_dir: Path) -> bool:
     return folder.is_dir() and not (folder / f"{MARKER}00001").exists()
 
 
+LAST = 12  # the reference's and the resumed runs' last step
+
+
 @pytest.mark.slow
 def test_sigkill_during_an_asynchronous_write_keeps_the_last_checkpoint_and_resume_reproduces_the_losses(tmp_path):
     """async_save=true, every file write slowed to 3 s: rank 1 is killed while step 8's write is in flight and the
     training loop has gone past it. latest must still name step 4, and the resumed run equal the reference.
 
     The copy to host memory is slowed too (0.5 s per file), so that it is still pending when the step after a save
-    updates the weights: the resume reproduces the losses only if that update waited for the copy."""
+    updates the weights: the resume reproduces the losses only if that update waited for the copy. The runs end at
+    step 12: the resumed run's steps 5-12 pass the step-8 save (kept as every 8th) and end on a newest one."""
     reference = tmp_path / "reference"
-    launch("lightning", args(reference, max_steps=16, checkpoint_interval=4))  # synchronous saves
+    launch("lightning", args(reference, max_steps=LAST, checkpoint_interval=4))  # synchronous saves
     expected = losses(reference)
-    assert sorted(expected) == list(range(1, 17))
+    assert sorted(expected) == list(range(1, LAST + 1))
 
     for backend in BACKENDS:
         out_dir = tmp_path / f"killed-{backend}"
@@ -185,24 +189,24 @@ def test_sigkill_during_an_asynchronous_write_keeps_the_last_checkpoint_and_resu
         partial = out_dir / "checkpoints" / ".tmp-step_000008"  # what the kill left: never read, deleted on resume
         assert partial.is_dir(), backend
         for step, loss in losses(out_dir).items():  # saving in the background did not change the training
-            if step > 16:
+            if step > LAST:
                 break
             assert loss == pytest.approx(expected[step], rel=1e-6), (backend, step)
 
         logged_before = metrics_lines(out_dir)
         # Resumed with asynchronous saves too, and retention: the newest checkpoint and every 8th step, nothing else.
         resume = args(
-            out_dir, max_steps=16, checkpoint_interval=4, resume="true", async_save="true", keep_last=1, keep_every=8
+            out_dir, max_steps=LAST, checkpoint_interval=4, resume="true", async_save="true", keep_last=1, keep_every=8
         )
         proc = launch(backend, resume)
         assert f"resuming from {latest} (step {start})" in proc.stdout + proc.stderr, backend
         assert not partial.exists(), backend
-        assert latest_checkpoint(out_dir).name == "step_000016", backend
-        kept = sorted(p.name for p in (out_dir / "checkpoints").iterdir())
-        assert kept == ["latest", "step_000008", "step_000016"], (backend, kept)
+        assert latest_checkpoint(out_dir).name == f"step_{LAST:06d}", backend
+        kept = sorted(p.name for p in (out_dir / "checkpoints").iterdir())  # step 4 went: neither newest nor 8th
+        assert kept == ["latest", "step_000008", f"step_{LAST:06d}"], (backend, kept)
         resumed = losses_logged_since(out_dir, logged_before)  # only what the resumed process logged
-        assert sorted(resumed) == list(range(start + 1, 17)), (backend, sorted(resumed))
-        for step in range(start + 1, 17):  # fp32, same data, same seeds: the uninterrupted run's numbers
+        assert sorted(resumed) == list(range(start + 1, LAST + 1)), (backend, sorted(resumed))
+        for step in range(start + 1, LAST + 1):  # fp32, same data, same seeds: the uninterrupted run's numbers
             assert resumed[step] == pytest.approx(expected[step], rel=1e-6), (backend, step)
 
 
