@@ -17,6 +17,7 @@ a fix and its source (the kind of advice, a lint rule or the upstream issue).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -36,12 +37,14 @@ import torch.distributed as dist
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
+from torch.utils.cpp_extension import get_default_build_root
 
 from common.communication import BUS_FACTOR
 from common.errors import ConfigError, exit_on_user_error
 from common.hang import HANG_FOLDER, analyze, format_diagnosis, rank_line, read_reports
 from common.lint import RULES, LintView
 from common.memory_formulas import parse_bytes
+from common.nvme_storage import async_io_problem
 from common.tools.options import positive_int, refuse_outside_mode
 from common.version_window import OutsideWindow, installed_outside_window
 
@@ -628,6 +631,81 @@ def plot_rank_speeds(measured: dict[str, Any], path: Path) -> Path | None:
 # --- printing ---------------------------------------------------------------------------------------------
 
 
+# --- DeepSpeed's compiled ops -------------------------------------------------------------------------------
+
+# The ops DeepSpeed compiles with this machine's compiler the first time a run needs one (then cached under
+# ~/.cache/torch_extensions): class name on DeepSpeed's accelerator -> what needs it. A run that meets one unbuilt
+# spends the build inside its first step: about 40 s each for the first two on a 2-core machine, several minutes
+# for the async I/O op.
+DEEPSPEED_OPS = {
+    "ShareMemCommBuilder": "DeepSpeed's collectives between processes of one CPU machine (every run on a CPU)",
+    "CPUAdamBuilder": "optimizer offload to the CPU (the *_offload presets)",
+    "AsyncIOBuilder": "NVMe offload (deepspeed_stage_3_offload_nvme)",
+}
+
+
+@dataclass(frozen=True)
+class OpBuild:
+    """What ``doctor --build-ops`` did with one of DeepSpeed's compiled ops.
+
+    Attributes:
+        name: the op's name (DeepSpeed's, also its folder in the extensions cache).
+        needed_for: what needs the op.
+        status: ``ready`` (built or found built, and loaded), ``unavailable`` (this machine cannot build it: see
+            ``detail``) or ``failed`` (the build or the load raised).
+        seconds: time to build (or find) and load it.
+        detail: why it is unavailable or failed; empty when ready.
+    """
+
+    name: str
+    needed_for: str
+    status: str
+    seconds: float
+    detail: str = ""
+
+
+def build_deepspeed_op(class_name: str, needed_for: str) -> OpBuild | None:
+    """Build (or find built) and load one of DeepSpeed's ops for this machine's accelerator.
+
+    Returns:
+        What happened, or None when this accelerator has no such op (the shared-memory collectives exist on a CPU
+        alone).
+    """
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; the report owns it
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder(class_name)
+        if builder is None:
+            return None
+        start = time.perf_counter()
+        if not builder.is_compatible(verbose=False):
+            why = async_io_problem() if class_name == "AsyncIOBuilder" else None
+            return OpBuild(builder.NAME, needed_for, "unavailable", 0.0, why or "DeepSpeed finds it incompatible here")
+        try:
+            builder.load(verbose=False)
+        except Exception as exc:  # a compiler's failure: one line of it, the build log is DeepSpeed's to print
+            lines = [line for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+            return OpBuild(builder.NAME, needed_for, "failed", time.perf_counter() - start, lines[-1].strip())
+    return OpBuild(builder.NAME, needed_for, "ready", time.perf_counter() - start)
+
+
+def render_op_builds(builds: list[OpBuild]) -> str:
+    """One line per op: name, status, seconds, what needs it, and why it is not ready."""
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # where torch builds them
+    lines = [f"DeepSpeed's compiled ops (built once per machine, cached under {cache}):"]
+    for build in builds:
+        line = f"  {build.name:<20} {build.status:<11} {build.seconds:7.1f} s  {build.needed_for}"
+        lines.append(line + (f"\n      {build.detail}" if build.detail else ""))
+    return "\n".join(lines)
+
+
+def cmd_build_ops() -> int:
+    """``doctor --build-ops``: build and load every op a preset can need here; exit 1 if one failed to build."""
+    builds = [b for name, use in DEEPSPEED_OPS.items() if (b := build_deepspeed_op(name, use)) is not None]
+    print(render_op_builds(builds))
+    return 1 if any(b.status == "failed" for b in builds) else 0
+
+
 def _gb(value: float | None) -> str:
     return "not found" if value is None else f"{value / 2**30:.1f} GiB"
 
@@ -728,6 +806,9 @@ def cmd_doctor(args: Any) -> int:
     if args.collectives:
         return cmd_collectives(args)
     refuse_outside_mode(args, COLLECTIVES_OPTIONS, "doctor --collectives", "doctor without --collectives")
+    if args.build_ops:
+        refuse_outside_mode(args, REPORT_OPTIONS, "doctor and doctor --collectives (the report)", "doctor --build-ops")
+        return cmd_build_ops()
     out = Path(args.out or ".")
     report = local_report(Path(args.checkpoint_path or "."))
     print(render_report(report))
@@ -789,6 +870,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--collectives", action="store_true", help="measure across the launched ranks")
     mode.add_argument("--hang", metavar="RUN_DIR", default=None, help="diagnose a run that hung (its hang/ reports)")
+    mode.add_argument(
+        "--build-ops",
+        action="store_true",
+        help="build DeepSpeed's compiled ops now (once per machine; a run would otherwise build one in its first "
+        "step): shows that the compiler works",
+    )
     # Defaults are None so that an option given in a mode that does not read it is refused (cmd_doctor).
     p.add_argument("--out", default=None, help="folder for doctor.json (and doctor_ranks.png); default: .")
     p.add_argument(

@@ -13,10 +13,14 @@ object it prints (:mod:`common.describe`), the recipe's own process validating t
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import json
 import os
+import runpy
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,7 +198,9 @@ def recipe_of_config(path: str | Path) -> Recipe | None:
 
 # --- asking a recipe: --describe ---------------------------------------------------------------------------
 
-_DESCRIPTIONS: dict[tuple[str, str | None, tuple[str, ...]], RecipeDescription] = {}
+# (entry script, config, overrides) -> the recipe's answer: its description, or (until describe raises it once) the
+# error it refused the run with.
+_DESCRIPTIONS: dict[tuple[str, str | None, tuple[str, ...]], RecipeDescription | ConfigError] = {}
 
 
 def recipe_env(**extra: str) -> dict[str, str]:
@@ -232,13 +238,43 @@ def describe(
     overrides = [str(o) for o in overrides or []]
     key = (str(recipe.script), str(config) if config else None, tuple(overrides))
     if key not in _DESCRIPTIONS:
-        _DESCRIPTIONS[key] = _run_describe(recipe, describe_command(recipe, config, overrides))
-    return _DESCRIPTIONS[key]
+        _DESCRIPTIONS[key] = _answer(recipe, describe_command(recipe, config, overrides))
+    answer = _DESCRIPTIONS[key]
+    if isinstance(answer, ConfigError):
+        del _DESCRIPTIONS[key]  # a refusal is told once: the file, or the model it needs, may be fixed before the next
+        raise answer
+    return answer
 
 
-def _run_describe(recipe: Recipe, command: list[str]) -> RecipeDescription:
+def describe_configs(recipe: Recipe | str, config_paths: list[str | Path]) -> dict[Path, RecipeDescription]:
+    """:func:`describe` of several configs of one entry point in one recipe process: the imports, which take most
+    of a ``--describe``'s seconds, are paid once.
+
+    The process runs the entry script's own command line, ``<entry> --describe --config F``, once per config (the
+    script re-executed in the same interpreter, as ``python <entry>`` would run it). The answers fill
+    :func:`describe`'s cache, so a later ``describe(recipe, F)`` returns at once, or raises (once) the error the
+    recipe refused ``F`` with.
+
+    Returns:
+        The description of each config the recipe described, by resolved path; a config it refused is left out.
+    """
+    recipe = find_recipe(recipe) if isinstance(recipe, str) else recipe
+    configs = [Path(c).resolve() for c in config_paths]
+    command = [sys.executable, "-m", "common.tools.recipes", str(recipe.script), *map(str, configs)]
+    answers = json.loads(_run_recipe_process(recipe, command).stdout.strip().splitlines()[-1])
+    for config, answer in zip(configs, answers):
+        alone = describe_command(recipe, config, [])  # the command the answer stands for, named in a failure
+        _DESCRIPTIONS[(str(recipe.script), str(config), ())] = _answer(recipe, alone, answer)
+    return {
+        config: answer
+        for config in configs
+        if isinstance(answer := _DESCRIPTIONS[(str(recipe.script), str(config), ())], RecipeDescription)
+    }
+
+
+def _run_recipe_process(recipe: Recipe, command: list[str]) -> subprocess.CompletedProcess:
     try:
-        proc = subprocess.run(
+        return subprocess.run(
             command,
             cwd=recipe.run_dir,
             env=recipe_env(OMP_NUM_THREADS="1"),
@@ -248,18 +284,29 @@ def _run_describe(recipe: Recipe, command: list[str]) -> RecipeDescription:
         )
     except subprocess.TimeoutExpired:
         raise ConfigError(f"{recipe.script} --describe did not answer in {DESCRIBE_TIMEOUT_S:.0f} s") from None
-    if proc.returncode != 0:
-        lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+
+
+def _answer(recipe: Recipe, command: list[str], ran: dict[str, Any] | None = None) -> RecipeDescription | ConfigError:
+    """What ``command`` (a ``--describe``) answered: the description, or the error to raise for it. ``ran``: its exit
+    code and output when it has run already (in :func:`describe_configs`'s process); else it runs now."""
+    if ran is None:
+        proc = _run_recipe_process(recipe, command)
+        ran = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+    if ran["returncode"] != 0:
+        lines = [line.strip() for line in ran["stderr"].splitlines() if line.strip()]
         refused = [line for line in lines if line.startswith("error: ")]
         if refused:
-            error = InputMissing if proc.returncode == MISSING_INPUT_EXIT_CODE else ConfigError
-            raise error(refused[-1].removeprefix("error: "))
+            error = InputMissing if ran["returncode"] == MISSING_INPUT_EXIT_CODE else ConfigError
+            return error(refused[-1].removeprefix("error: "))
         shown = " ".join(command[1:])
-        raise ConfigError(
-            f"recipe {recipe.name}: --describe failed (exit {proc.returncode}): {lines[-1] if lines else 'no output'}"
+        return ConfigError(
+            f"recipe {recipe.name}: --describe failed (exit {ran['returncode']}): {lines[-1] if lines else 'no output'}"
             f"; run `python {shown}` to see its whole output"
         )
-    return RecipeDescription.from_json(_json_object(proc.stdout, recipe))
+    try:
+        return RecipeDescription.from_json(_json_object(ran["stdout"], recipe))
+    except ConfigError as exc:
+        return exc
 
 
 def _json_object(stdout: str, recipe: Recipe) -> dict[str, Any]:
@@ -273,3 +320,37 @@ def _json_object(stdout: str, recipe: Recipe) -> dict[str, Any]:
         if isinstance(data, dict):
             return data
     raise ConfigError(f"recipe {recipe.name}: {recipe.script.name} --describe printed no JSON object")
+
+
+def _describe_in_this_process(script: Path, config: str) -> dict[str, Any]:
+    """``python <script> --describe --config <config>`` run in this interpreter: its exit code, stdout and stderr."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    returncode = 0
+    argv = sys.argv
+    sys.argv = [str(script), "--describe", "--config", config]
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        returncode = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            stderr.write(f"{exc.code}\n")
+    except Exception:  # a crash: its traceback, as the script alone would print it
+        returncode = 1
+        stderr.write(traceback.format_exc())
+    finally:
+        sys.argv = argv
+    return {"returncode": returncode, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m common.tools.recipes SCRIPT CONFIG...``: :func:`describe_configs`'s recipe process. Prints one
+    JSON list, an ``{returncode, stdout, stderr}`` object per config, as the last line of stdout."""
+    script, *configs = argv if argv is not None else sys.argv[1:]
+    sys.path.insert(0, str(Path(script).parent))  # what `python SCRIPT` puts first: the recipe's own modules
+    answers = [_describe_in_this_process(Path(script), config) for config in configs]
+    print(json.dumps(answers))
+
+
+if __name__ == "__main__":
+    main()

@@ -229,6 +229,7 @@ def main() -> None:
     parser.add_argument("--gradient-clipping", type=float, default=1.0)
     parser.add_argument("--activation-checkpointing", default="none")
     parser.add_argument("--frozen", action="store_true")
+    parser.add_argument("--nvme-path", default=None, help="NVMe offload folder (None: the preset's own, if any)")
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -236,15 +237,9 @@ def main() -> None:
 
     from common.config import parse_overrides
 
-    world_size = int(os.environ.get("WORLD_SIZE", args.devices))
-    facts = RunFacts(
-        world_size=world_size,
-        micro_batch_size=args.micro_batch_size,
-        grad_accum=args.grad_accum,
-        precision=args.precision,
-        hidden_size=HIDDEN,
-        gradient_clipping=args.gradient_clipping,
-    )
+    # The recipes' own constructor: the arguments carry the config fields of the same names, so the worker resolves
+    # its DeepSpeed dict exactly as a recipe does.
+    facts = RunFacts.from_fields(args, int(os.environ.get("WORLD_SIZE", args.devices)), HIDDEN)
     ds_config = resolve_deepspeed_config(args.preset, facts, parse_overrides(args.set))
     (run_lightning if args.backend == "lightning" else run_accelerate)(args, ds_config)
 

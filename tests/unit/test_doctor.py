@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import subprocess
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,6 +21,8 @@ from common import hang
 from common.hang import analyze, crash_frames, format_diagnosis, read_reports, settings_for
 from common.tools import cli, doctor
 from common.tools.doctor import bus_bandwidth, parse_sizes, slow_ranks, stage_advice, version_checks
+
+EXE = shutil.which("zero-recipes")
 
 # --- the command on this machine ---------------------------------------------------------------------------
 
@@ -51,6 +56,29 @@ def test_doctor_refuses_with_one_line(tmp_path, capsys, monkeypatch, argv, says)
         cli.main([a.format(tmp=tmp_path) for a in argv])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and err.startswith("error:") and says in err and len(err.splitlines()) == 1
+
+
+def op_statuses(report: str) -> dict[str, str]:
+    """Op name -> status from ``doctor --build-ops``'s lines (an op's line is indented two spaces, its detail six)."""
+    return {line.split()[0]: line.split()[1] for line in report.splitlines() if re.match(r"  \S", line)}
+
+
+def test_build_ops_loads_every_op_a_preset_can_need_here(capfd):
+    """The ops were built before the suite (``.ci/run``) or on first use; either way each must load now. (capfd, not
+    capsys: DeepSpeed's compatibility test compiles with the process's real stderr file descriptor.)"""
+    assert cli.main(["doctor", "--build-ops"]) == 0
+    statuses = op_statuses(capfd.readouterr().out)
+    assert statuses == {"deepspeed_shm_comm": "ready", "cpu_adam": "ready", "async_io": "ready"}
+
+
+def test_build_ops_without_a_compiler_fails_and_says_which_op(tmp_path):
+    """A fresh extensions folder and no working compiler: every op fails to build or is unavailable, exit 1."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "false", "CC": "false"}
+    proc = subprocess.run([EXE, "doctor", "--build-ops"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1 and str(tmp_path) in proc.stdout.splitlines()[0], proc.stdout + proc.stderr
+    statuses = op_statuses(proc.stdout)
+    assert statuses == {"deepspeed_shm_comm": "failed", "cpu_adam": "failed", "async_io": "unavailable"}, proc.stdout
+    assert "apt-get install libaio-dev" in proc.stdout
 
 
 def test_sizes_are_parsed_and_a_bad_one_is_refused():

@@ -18,6 +18,7 @@ from common.memory_formulas import ModelFacts
 from common.presets import PRESET_NAMES
 from common.strategy import RunFacts, resolve_deepspeed_config
 from common.tools.lint import lint_file
+from common.tools.recipes import Recipe, describe_configs, find_recipe, recipe_of_config
 
 REPO = Path(__file__).resolve().parents[2]
 EXE = shutil.which("zero-recipes")
@@ -180,10 +181,34 @@ def test_every_rule_has_a_failing_config():
     assert set(FAILING_FILES) | set(FAILING_VIEWS) == set(lint.RULES)
 
 
+def describe_each_recipes_configs(recipes_and_paths: list[tuple[Recipe, Path]]) -> None:
+    """Ask each recipe about all of its configs in one process (``describe_configs``): a recipe's ``--describe`` spends
+    ~6 s importing, once per process. The answers wait in ``describe``'s cache for ``lint_file``; two recipes at a
+    time (the CI machine has two cores)."""
+    by_recipe: dict[Path, tuple[Recipe, list[Path]]] = {}
+    for recipe, path in recipes_and_paths:
+        by_recipe.setdefault(recipe.script, (recipe, []))[1].append(path)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(lambda group: describe_configs(*group), by_recipe.values()))
+
+
+@pytest.fixture(scope="module")
+def failing_recipe_files(tmp_path_factory) -> dict[str, Path]:
+    """rule id -> its failing recipe YAML (each in a folder of its own), described by its recipe in advance."""
+    paths = {
+        rule_id: write_config(tmp_path_factory.mktemp(rule_id), kind, content)
+        for rule_id, (kind, content, _) in FAILING_FILES.items()
+        if kind.startswith("recipe:")
+    }
+    recipe_name = {rule_id: FAILING_FILES[rule_id][0].split(":")[1] for rule_id in paths}
+    describe_each_recipes_configs([(find_recipe(recipe_name[rule_id]), path) for rule_id, path in paths.items()])
+    return paths
+
+
 @pytest.mark.parametrize("rule_id", sorted(FAILING_FILES))
-def test_failing_config_trips_its_rule(rule_id, tmp_path):
+def test_failing_config_trips_its_rule(rule_id, tmp_path, failing_recipe_files):
     kind, content, kwargs = FAILING_FILES[rule_id]
-    path = write_config(tmp_path, kind, content)
+    path = failing_recipe_files.get(rule_id) or write_config(tmp_path, kind, content)
     recipe = kind.split(":")[1] if kind.startswith("recipe:") else None
     findings = lint_file(path, recipe=recipe, **{"versions": CURRENT, **kwargs})
     hits = [f for f in findings if f.rule_id == rule_id]
@@ -306,9 +331,9 @@ def test_no_warning_or_error_on_any_shipped_config(monkeypatch):
     monkeypatch.chdir(REPO)  # accelerate.yaml names its JSON relative to the repository root
     paths = shipped_configs()
     assert len(paths) > 20  # the globs still find the shipped configs
-    # A recipe YAML is linted through its recipe's --describe, a process that spends ~6 s importing: two at a time.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        findings = dict(zip(paths, pool.map(lambda path: lint_file(path, versions=CURRENT), paths)))
+    # A recipe YAML is linted through its recipe's --describe: one process per recipe describes all its YAMLs first.
+    describe_each_recipes_configs([(recipe_of_config(p), p) for p in paths if recipe_of_config(p)])
+    findings = {path: lint_file(path, versions=CURRENT) for path in paths}
     flagged = {
         str(path.relative_to(REPO)): [lint.format_finding(f) for f in found]
         for path, found in findings.items()

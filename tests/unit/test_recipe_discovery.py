@@ -164,3 +164,40 @@ def test_describe_command_is_what_a_user_types(tmp_path):
     assert command[1:] == [str(folder / "train.py"), "--describe", "--config", str(folder / "configs/tiny_cpu.yaml"),
                            "width=2"]  # fmt: skip
     assert json.loads(json.dumps(command)) == command and os.path.isabs(command[0])
+
+
+def test_describe_configs_answers_for_each_config_what_its_own_describe_process_does(tmp_path, monkeypatch):
+    folder = make_recipe(tmp_path / "copies" / "mine")
+    configs = folder / "configs"
+    (configs / "refused.yaml").write_text("widht: 3\n")
+    (configs / "crashes.yaml").write_text("crash: true\n")
+    (configs / "wide.yaml").write_text("width: 9\n")
+    monkeypatch.setenv("LOCAL_RANK", "3")  # as in the one-config process: no launcher variables, one thread
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    asked = [configs / "refused.yaml", configs / "tiny_cpu.yaml", configs / "crashes.yaml", configs / "wide.yaml"]
+    described = recipes.describe_configs(str(folder), asked)
+    # A refusal or a crash leaves its config out and does not stop the configs after it.
+    assert {path.name: run.config["width"] for path, run in described.items()} == {"tiny_cpu.yaml": 5, "wide.yaml": 9}
+    seen = described[configs / "wide.yaml"].ds_config
+    assert (seen["cwd"], seen["omp"], seen["rank"]) == (str(tmp_path / "copies"), "1", None)
+    # The answers wait in describe's cache, refusals and failures included: the recipe's own error, as its own
+    # process gives it; the script is not run again.
+    (folder / "train.py").write_text("raise SystemExit('run again')\n")
+    assert describe(str(folder), configs / "wide.yaml") is described[configs / "wide.yaml"]
+    refusals = {}
+    for name in ("refused.yaml", "crashes.yaml"):
+        with pytest.raises(ConfigError) as refused:
+            describe(str(folder), configs / name)
+        refusals[name] = str(refused.value)
+        with pytest.raises(ConfigError, match="run again"):  # a refusal is told once; the next ask runs the recipe
+            describe(str(folder), configs / name)
+    (folder / "train.py").write_text(TINY_RECIPE)
+    # Asked afresh, each config's own process gives the same answers.
+    monkeypatch.setattr(recipes, "_DESCRIPTIONS", {})
+    assert {path: describe(str(folder), path) for path in described} == described
+    for name, message in refusals.items():
+        with pytest.raises(ConfigError) as refused:
+            describe(str(folder), configs / name)
+        assert str(refused.value) == message
+    assert "refused.yaml: unknown key 'widht' (did you mean 'width'" in refusals["refused.yaml"]
+    assert "failed (exit 1): RuntimeError: the model would not build; run `python" in refusals["crashes.yaml"]
