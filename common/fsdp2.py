@@ -64,40 +64,23 @@ from common.activation import find_blocks
 from common.async_checkpoint import WRITE_DELAY_ENV, Checkpointer, fsync_tree
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
 from common.errors import ConfigError, nearest
-from common.strategy import PRECISIONS, accelerate_launch_fields, torch_dtype
+from common.presets import (  # noqa: F401 - ZERO_ONLY_FEATURES, is_active: read from here too
+    FSDP2_PRESET_NAMES,
+    FSDP2_PRESETS,
+    ZERO_ONLY_FEATURES,
+    is_active,
+    refuse_zero_only_features,
+)
+from common.strategy import PRECISIONS, RunFacts, accelerate_launch_fields, torch_dtype
 
-FSDP2_PRESETS: dict[str, dict[str, Any]] = {
-    "fsdp2": {
-        "why": "Parameters, gradients and optimizer state sharded (ZeRO-3's counterpart): two all-gathers per block.",
-        # The ZeRO preset that shards the same states: compared with it side by side (bench/peer.py).
-        "counterpart": "deepspeed_stage_3",
-        # Free each block's gathered weights after its forward, gather again for its backward: 16K/N at rest.
-        "reshard_after_forward": True,
-        # Reduce-scatter every micro-batch, as ZeRO-2/3 do: the whole unsharded gradient never waits for the next.
-        "sync_each_micro_batch": True,
-    },
-    "fsdp2_grad_op": {
-        "why": "Weights stay gathered from a block's forward to its backward (ZeRO-2's counterpart): one all-gather.",
-        "counterpart": "deepspeed_stage_2",
-        # Keep gathered weights through the backward: one all-gather per step, the whole model gathered at the peak.
-        "reshard_after_forward": False,
-        # As under fsdp2: DeepSpeed's stage 2 reduces every micro-batch's gradients into its partition too.
-        "sync_each_micro_batch": True,
-    },
-}
-
-FSDP2_PRESET_NAMES: tuple[str, ...] = tuple(FSDP2_PRESETS)
-
-# Recipe settings that only DeepSpeed runs, each with what it is and the ZeRO preset (or stage) that has it.
-ZERO_ONLY_FEATURES: dict[str, tuple[str, str]] = {
-    "nvme_path": ("NVMe offload (ZeRO-Infinity)", "deepspeed_stage_3_offload_nvme"),
-    "offload_optimizer": ("optimizer-state offload apart from the parameters", "deepspeed_stage_2_offload"),
-    "offload_param": ("parameter offload to host memory", "deepspeed_stage_3_offload"),
-    "zeropp": ("ZeRO++ (quantized all-gather, hpZ, quantized gradients)", "deepspeed_stage_3_zeropp"),
-    "sequence_parallel": ("Ulysses sequence parallelism", "deepspeed_stage_3"),
-    "tensor_parallel": ("AutoTP tensor parallelism", "deepspeed_stage_2"),
-    "expert_parallel": ("DeepSpeed MoE expert parallelism", "deepspeed_stage_2"),
-    "pipeline_parallel": ("the DeepSpeed pipeline engine", "deepspeed_stage_1"),
+# DeepSpeed override keys (their first dotted parts) that ask for one of the ZeRO-only features above.
+OVERRIDE_FEATURES: dict[str, str] = {
+    "zero_optimization.offload_optimizer": "offload_optimizer",
+    "zero_optimization.offload_param": "offload_param",
+    "zero_optimization.zero_quantized_weights": "zeropp",
+    "zero_optimization.zero_quantized_gradients": "zeropp",
+    "zero_optimization.zero_hpz_partition_size": "zeropp",
+    "aio": "nvme_path",
 }
 
 LIGHTNING_FSDP2_PRECISION = "32-true"  # bf16 comes from the MixedPrecisionPolicy, not from Lightning's autocast
@@ -130,32 +113,74 @@ def get_fsdp2_preset(preset: str | dict[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(FSDP2_PRESETS[preset])
 
 
-def is_active(value: Any) -> bool:
-    """Whether a recipe setting turns its feature on: a degree above 1, a non-empty path, true."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int | float):
-        return value > 1
-    return bool(value)
-
-
-def refuse_zero_only_features(preset: str, settings: dict[str, Any]) -> None:
-    """Refuse, in one line, the first setting that only DeepSpeed runs, naming the ZeRO preset that has it.
-
-    Args:
-        preset: the run's FSDP2 preset name.
-        settings: the recipe's values of :data:`ZERO_ONLY_FEATURES`' keys (others are ignored), e.g.
-            ``{"sequence_parallel": 2, "nvme_path": ""}``.
+def refuse_deepspeed_overrides(preset: str, overrides: dict[str, Any]) -> None:
+    """Refuse DeepSpeed ``key=value`` overrides under an FSDP2 preset, in one line: a ZeRO-only feature names the
+    ZeRO preset that has it, any other key says that no DeepSpeed config is built.
 
     Raises:
-        ConfigError: a ZeRO-only feature is on.
+        ConfigError: ``overrides`` is not empty.
     """
-    for key, (what, zero_preset) in ZERO_ONLY_FEATURES.items():
-        if is_active(settings.get(key)):
-            raise ConfigError(
-                f"{key}={settings[key]} ({what}) runs only on DeepSpeed, not under preset={preset}: "
-                f"use preset={zero_preset}"
-            )
+    for key, value in overrides.items():
+        for prefix, feature in OVERRIDE_FEATURES.items():
+            if key == prefix or key.startswith(prefix + "."):
+                what, zero_preset = ZERO_ONLY_FEATURES[feature]
+                raise ConfigError(
+                    f"ds_overrides {key}={value} ({what}) runs only on DeepSpeed, not under preset={preset}: "
+                    f"use preset={zero_preset}"
+                )
+    if overrides:
+        keys = ", ".join(overrides)
+        raise ConfigError(
+            f"ds_overrides ({keys}) set DeepSpeed keys, and preset={preset} builds no DeepSpeed config: drop them, "
+            f"or use preset={get_fsdp2_preset(preset)['counterpart']}"
+        )
+
+
+def is_fsdp2_config(config: Any) -> bool:
+    """Whether a resolved run config is an FSDP2 one (:func:`resolve_fsdp2_config`), not a DeepSpeed dict."""
+    return isinstance(config, dict) and "fsdp2" in config
+
+
+def resolve_fsdp2_config(
+    preset: str, facts: RunFacts | None = None, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The resolved run config of an FSDP2 preset: what the factory's adapters read, shaped like a DeepSpeed dict.
+
+    The batch, accumulation, clipping and precision keys have DeepSpeed's names and the values the ZeRO presets get
+    from the same run, so every reader of a resolved config (``precision_of``, the run files, the lint's batch
+    arithmetic) reads an FSDP2 run alike; the ``fsdp2`` section holds the sharding. No ``zero_optimization``:
+    DeepSpeed never sees this dict.
+
+    Args:
+        preset: an FSDP2 preset name (:data:`common.presets.FSDP2_PRESETS`).
+        facts: the run's world size, batch, accumulation, precision and clipping (the hidden size is not used:
+            FSDP2 has no buckets to scale).
+        overrides: DeepSpeed keys: refused (:func:`refuse_deepspeed_overrides`).
+
+    Raises:
+        ConfigError: an unknown preset, fp16 (:func:`mixed_precision_policy`), an NVMe folder, any override.
+    """
+    facts = facts or RunFacts()
+    spec = get_fsdp2_preset(preset)
+    refuse_deepspeed_overrides(preset, overrides or {})
+    refuse_zero_only_features(preset, {"nvme_path": facts.nvme_path})
+    precision = facts.precision or "bf16"
+    mixed_precision_policy(precision)  # fp16: refused here, before any work
+    return {
+        "train_batch_size": facts.world_size * facts.micro_batch_size * facts.grad_accum,
+        "train_micro_batch_size_per_gpu": facts.micro_batch_size,
+        "gradient_accumulation_steps": facts.grad_accum,
+        "gradient_clipping": float(facts.gradient_clipping),
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": False},
+        "fsdp2": {
+            "preset": preset,
+            "counterpart": spec["counterpart"],
+            "reshard_after_forward": spec["reshard_after_forward"],
+            "sync_each_micro_batch": spec["sync_each_micro_batch"],
+            "world_size": facts.world_size,
+        },
+    }
 
 
 # --- precision and sharding -------------------------------------------------------------------------------------

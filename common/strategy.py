@@ -14,6 +14,13 @@ Example::
     ds_config = resolve_deepspeed_config("nlp", facts)
     trainer = Trainer(accelerator="auto", devices=8, **lightning_trainer_kwargs(ds_config))
     plugin = accelerate_plugin(ds_config)        # Accelerator(deepspeed_plugin=plugin, ...)
+
+An FSDP2 preset (``fsdp2``, ``fsdp2_grad_op``: :data:`common.presets.FSDP2_PRESETS`) goes through the same calls:
+:func:`resolve_deepspeed_config` gives its run config (:func:`common.fsdp2.resolve_fsdp2_config`, the same batch,
+clipping and precision keys with an ``fsdp2`` section instead of ``zero_optimization``), and
+:func:`lightning_trainer_kwargs`, :func:`accelerator_kwargs` and :func:`shard_model` hand each front-end what FSDP2
+needs. This module is the one place that tells the two apart; :mod:`common.fsdp2` (which imports torch) is
+imported only when a run is FSDP2's.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any
 from common.errors import ConfigError, nearest
 from common.memory_formulas import MIN_SWAPPED_BYTES, swap_threshold_bytes
 from common.nvme_storage import check_nvme_storage, nvme_sections
-from common.presets import FROM_LAYOUT, FROM_MODEL, get_preset
+from common.presets import FROM_LAYOUT, FROM_MODEL, get_preset, is_fsdp2_name
 from common.process_setup import setup_process
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -375,6 +382,10 @@ def resolve_deepspeed_config(
         ConfigError: unknown preset or key, bad stage, fp16 where the preset forbids it, NVMe without a path, and
             (``facts.check_storage``) an NVMe folder that is missing, not writable or full, or no libaio.
     """
+    if is_fsdp2_name(preset):  # torch's FSDP2, not DeepSpeed: the same keys, an fsdp2 section
+        from common.fsdp2 import resolve_fsdp2_config
+
+        return resolve_fsdp2_config(preset, facts, overrides)
     facts = facts or RunFacts()
     spec = get_preset(preset) if isinstance(preset, str) else copy.deepcopy(preset)
     name = preset if isinstance(preset, str) else spec.get("name", "custom")
@@ -421,8 +432,16 @@ def torch_dtype(precision: str) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
+def is_fsdp2(config: dict[str, Any]) -> bool:
+    """Whether a resolved config is an FSDP2 preset's (:func:`common.fsdp2.resolve_fsdp2_config`), not DeepSpeed's."""
+    return "fsdp2" in config
+
+
 def zero_stage(ds_config: dict[str, Any]) -> int:
-    """The ZeRO stage of a resolved config."""
+    """The ZeRO stage of a resolved config; for an FSDP2 preset, that of the ZeRO preset it is measured against
+    (``fsdp2``: 3, ``fsdp2_grad_op``: 2)."""
+    if is_fsdp2(ds_config):
+        return int(get_preset(ds_config["fsdp2"]["counterpart"])["stage"])
     return int(ds_config["zero_optimization"]["stage"])
 
 
@@ -437,7 +456,7 @@ def precision_of(ds_config: dict[str, Any]) -> str:
 
 def offloads_optimizer(ds_config: dict[str, Any]) -> bool:
     """Whether the optimizer states live off the accelerator (CPU or NVMe)."""
-    offload = ds_config["zero_optimization"].get("offload_optimizer") or {}
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
     return offload.get("device", "none") in ("cpu", "nvme")
 
 
@@ -531,6 +550,14 @@ def lightning_trainer_kwargs(
     from common.lightning_cpu import ZeroDeepSpeedStrategy
 
     setup_process(ds_config, timeout, run_dir)  # process-wide; a second call in one process prints nothing
+    if is_fsdp2(ds_config):
+        from common.fsdp2 import lightning_fsdp2_trainer_kwargs
+
+        fsdp2 = ds_config["fsdp2"]
+        clip = ds_config["gradient_clipping"]
+        return lightning_fsdp2_trainer_kwargs(
+            fsdp2["world_size"], ds_config["gradient_accumulation_steps"], clip, timeout
+        )
     kwargs: dict[str, Any] = {"config": lightning_strategy_config(ds_config)}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -578,6 +605,11 @@ def accelerator_kwargs(
     from accelerate.utils import InitProcessGroupKwargs
 
     setup_process(ds_config, timeout, run_dir)  # process-wide; a second call in one process prints nothing
+    if is_fsdp2(ds_config):
+        from common.fsdp2 import accelerator_fsdp2_kwargs
+
+        grad_accum = ds_config["gradient_accumulation_steps"]
+        return accelerator_fsdp2_kwargs(ds_config["fsdp2"], precision_of(ds_config), grad_accum, timeout)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     pg_kwargs = {"backend": backend}
     if timeout is not None:
@@ -588,6 +620,29 @@ def accelerator_kwargs(
         "gradient_accumulation_steps": ds_config["gradient_accumulation_steps"],
         "kwargs_handlers": [InitProcessGroupKwargs(**pg_kwargs)],
     }
+
+
+def shard_model(model: Any, ds_config: dict[str, Any], mesh: Any = None, layer_classes: Any = None) -> Any:
+    """Shard ``model`` for the run, where the front-end leaves it to the script; return it.
+
+    Under a ZeRO preset DeepSpeed partitions the model inside ``deepspeed.initialize`` (Lightning's strategy and
+    Accelerate's ``prepare`` call it): nothing to do here. Under an FSDP2 preset
+    :func:`common.fsdp2.apply_fully_shard` shards each block, then the root, with the preset's
+    ``reshard_after_forward`` and the precision contract's ``MixedPrecisionPolicy``: from the LightningModule's
+    ``configure_model`` (``mesh=self.device_mesh["data_parallel"]``), or before the optimizer is built under
+    Accelerate. Call it once the process group exists.
+
+    Args:
+        model: the module to shard, on the rank's device.
+        ds_config: the factory's resolved config.
+        mesh: the data-parallel device mesh (Lightning's); None: every rank.
+        layer_classes: the block classes (default: :func:`common.activation.find_blocks`'s).
+    """
+    if is_fsdp2(ds_config):
+        from common.fsdp2 import apply_fully_shard
+
+        apply_fully_shard(model, ds_config["fsdp2"], precision_of(ds_config), layer_classes, mesh)
+    return model
 
 
 def accelerate_config(
@@ -664,15 +719,22 @@ def write_accelerate_files(
         except ValueError:
             return str(path.resolve())
 
-    yaml_dict = accelerate_config(
-        shown(json_path), num_processes, num_machines, zero3_init=zero_stage(ds_config) == 3, use_cpu=use_cpu
-    )
+    if is_fsdp2(ds_config):  # Accelerate's FSDP plugin at version 2; the JSON holds the run config, for reading
+        from common.fsdp2 import accelerate_fsdp2_config
+
+        yaml_dict = accelerate_fsdp2_config(ds_config["fsdp2"], num_processes, num_machines)
+    else:
+        yaml_dict = accelerate_config(
+            shown(json_path), num_processes, num_machines, zero3_init=zero_stage(ds_config) == 3, use_cpu=use_cpu
+        )
+    engine = "FSDP2" if is_fsdp2(ds_config) else "DeepSpeed"
+    json_role = "run config (for reading: this file sets FSDP2)" if is_fsdp2(ds_config) else "DeepSpeed config it names"
     header = [
-        "# Launches a training script under DeepSpeed with Accelerate:",
+        f"# Launches a training script under {engine} with Accelerate:",
         "#",
         f"#   accelerate launch --config_file {shown(yaml_path)} {script or 'YOUR_SCRIPT.py'}",
         "#",
-        f"# {json_name} beside this file is the DeepSpeed config it names, the factory's resolved dict, written by:",
+        f"# {json_name} beside this file is the {json_role}, the factory's resolved dict, written by:",
         f"#   {regenerate or 'zero-recipes config PRESET --world-size N ... --format accelerate --out DIR'}",
     ]
     if script:

@@ -66,8 +66,23 @@ RULES: dict[str, Rule] = {
 }
 
 
+def fsdp2_run(view: LintView) -> list[Finding]:
+    """The one finding for an FSDP2 preset's config: the rules here read DeepSpeed's settings, which it has none of."""
+    return [
+        Finding(
+            "fsdp2-preset",
+            "info",
+            f"preset {view.ds_config['fsdp2']['preset']} runs on torch's FSDP2, not DeepSpeed: the ZeRO rules do not "
+            "apply, and FSDP2's own checks are not written yet",
+            f"to have the ZeRO rules check the run, use preset={view.ds_config['fsdp2']['counterpart']}",
+        )
+    ]
+
+
 def run_rules(view: LintView, rules: dict[str, Rule] | None = None) -> list[Finding]:
     """Every rule on ``view``, findings sorted errors first."""
+    if view.ds_config and "fsdp2" in view.ds_config:  # an FSDP2 run config (common.fsdp2), no DeepSpeed keys
+        return fsdp2_run(view)
     findings: list[Finding] = []
     for rule in (rules or RULES).values():
         findings += rule(view)
