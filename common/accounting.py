@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 # The ZeRO formula lives with the other memory formulas (torch-free, for the planner); it is named here too
 # because what this module counts is compared with it.
@@ -100,17 +101,25 @@ def _inner_optimizer(ds_optimizer: Any) -> torch.optim.Optimizer | None:
     return inner if isinstance(inner, torch.optim.Optimizer) else None
 
 
-def model_state_bytes(engine: Any) -> dict[str, int]:
-    """Bytes this rank holds, by category, for a ``deepspeed.DeepSpeedEngine``.
+def model_state_bytes(engine: Any, optimizer: Any = None) -> dict[str, int]:
+    """Bytes this rank holds, by category, for a ``deepspeed.DeepSpeedEngine`` or an FSDP2-sharded model.
 
     Args:
         engine: the engine returned by ``deepspeed.initialize`` (Lightning: ``trainer.strategy.model``;
-            Accelerate: the prepared model).
+            Accelerate: the prepared model); under an FSDP2 preset the model that holds the sharded modules.
+        optimizer: FSDP2 only (DeepSpeed's engine holds its own): the run's optimizer, or a front-end's wrapper of
+            it, for its state's shards; None counts none.
 
     Returns:
         ``{"params", "grads", "optimizer", "buffers", "model_states", "total"}`` in bytes, where
         ``model_states = params + grads + optimizer`` (the formulas' quantity) and ``total`` adds buffers.
     """
+    if any(isinstance(module, FSDPModule) for module in engine.modules()):
+        from common.fsdp2 import model_state_bytes as fsdp2_state_bytes  # common.fsdp2 imports this module
+
+        while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = getattr(optimizer, "optimizer", None)  # Accelerate's AcceleratedOptimizer wraps it
+        return fsdp2_state_bytes(engine, optimizer)
     counted: dict[tuple[int, int], str] = {}
 
     def add(tensor: torch.Tensor | None, category: str) -> None:

@@ -218,8 +218,9 @@ def apply_fully_shard(
 ) -> list[str]:
     """Shard ``model`` in place: each block (:func:`common.activation.find_blocks`), then the root; return the blocks.
 
-    Activation checkpointing (:func:`common.activation.apply_activation_checkpointing`) goes on first: it wraps each
-    block's ``forward``, and FSDP2's hooks gather the weights around the wrapped call and its recomputation alike.
+    Activation checkpointing (:func:`common.activation.apply_activation_checkpointing`) goes on first: it wraps
+    each block's ``forward``, and FSDP2's hooks gather the weights around the wrapped call and its recomputation
+    alike.
 
     Args:
         model: a module whose parameters are all on one device (a CPU, or the rank's accelerator).
@@ -291,7 +292,8 @@ def accelerator_fsdp2_kwargs(
     (``fsdp2_prepare_model``) would also carve the embeddings and a tail of final norm and head into groups of their
     own, so the two front-ends would not shard alike. ``sync_each_batch`` keeps Accelerate's ``accumulate`` from
     skipping the reduce-scatter of the first micro-batches (``set_requires_gradient_sync(False)``), which would hold
-    a whole unsharded fp32 gradient per rank until the last one.
+    a whole unsharded fp32 gradient per rank until the last one. A script started without a launcher (one process)
+    gets a process group of its own here, a world of 1: FSDP2 needs one.
 
     Args:
         preset: an FSDP2 preset name or dict.
@@ -302,6 +304,10 @@ def accelerator_fsdp2_kwargs(
     from accelerate.utils import FullyShardedDataParallelPlugin, GradientAccumulationPlugin, InitProcessGroupKwargs
 
     spec = get_fsdp2_preset(preset)
+    if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        # A script started without a launcher is one process with no process group, and the FSDP plugin and
+        # fully_shard need one: a world of 1 over an in-memory store (a launcher's processes get Accelerate's).
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2,
         reshard_after_forward=spec["reshard_after_forward"],

@@ -645,6 +645,58 @@ def shard_model(model: Any, ds_config: dict[str, Any], mesh: Any = None, layer_c
     return model
 
 
+@dataclass
+class AccelerateCheckpointIO:
+    """How an Accelerate loop saves and loads its training state, whichever engine the preset picks.
+
+    Under a ZeRO preset: ``accelerator.save_state`` / ``load_state`` (DeepSpeed's shards, the schedulers registered
+    with ``register_for_checkpointing``, the RNG states). Under an FSDP2 preset: ``torch.distributed.checkpoint``
+    (:func:`common.fsdp2.dcp_write`, :func:`common.fsdp2.load_checkpoint`): every rank's shards of the model and the
+    optimizer, and the scheduler's state, loadable at any world size. Accelerate's own ``save_state`` writes FSDP2
+    shards only in its FSDP mode, which Accelerate 1.15 turns on for accelerators alone: on a CPU it would save rank
+    0's shards as if they were the whole model.
+
+    Attributes:
+        accelerator: the run's ``Accelerator``.
+        ds_config: the factory's resolved config.
+        model, optimizer: as ``accelerator.prepare`` returned them.
+        scheduler: the learning-rate scheduler (registered for checkpointing under ZeRO).
+    """
+
+    accelerator: Any
+    ds_config: dict[str, Any]
+    model: Any
+    optimizer: Any
+    scheduler: Any
+
+    def save(self, folder: Path) -> Any:
+        """Every rank: write the training state into ``folder`` (the call :class:`~common.async_checkpoint.Checkpointer`
+        makes)."""
+        if not is_fsdp2(self.ds_config):
+            return self.accelerator.save_state(str(folder))
+        from common.fsdp2 import dcp_write
+
+        extra = {"scheduler": self.scheduler.state_dict()}
+        return dcp_write(self.model, _torch_optimizer(self.optimizer), extra)(folder)
+
+    def load(self, folder: Path) -> None:
+        """Every rank: load the training state saved in ``folder``, re-sharded for this world size under FSDP2."""
+        if not is_fsdp2(self.ds_config):
+            self.accelerator.load_state(str(folder))
+            return
+        from common.fsdp2 import load_checkpoint
+
+        extra = load_checkpoint(folder, self.model, _torch_optimizer(self.optimizer))
+        self.scheduler.load_state_dict(extra["scheduler"])
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer``."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def accelerate_config(
     ds_config_file: str,
     num_processes: int,
