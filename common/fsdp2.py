@@ -35,7 +35,6 @@ MoE, the pipeline engine) is refused under an FSDP2 preset with one line naming 
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 import time
@@ -56,131 +55,27 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from common.accounting import category_totals
 from common.activation import find_blocks
 from common.async_checkpoint import WRITE_DELAY_ENV, Checkpointer, fsync_tree
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
 from common.errors import ConfigError, nearest
-from common.presets import (  # noqa: F401 - ZERO_ONLY_FEATURES, is_active: read from here too
+from common.presets import (  # noqa: F401 - the presets' names and refusals are read from here too
     FSDP2_PRESET_NAMES,
     FSDP2_PRESETS,
     ZERO_ONLY_FEATURES,
+    get_fsdp2_preset,
     is_active,
+    is_fsdp2_preset,
     refuse_zero_only_features,
 )
-from common.strategy import PRECISIONS, RunFacts, accelerate_launch_fields, torch_dtype
-
-# DeepSpeed override keys (their first dotted parts) that ask for one of the ZeRO-only features above.
-OVERRIDE_FEATURES: dict[str, str] = {
-    "zero_optimization.offload_optimizer": "offload_optimizer",
-    "zero_optimization.offload_param": "offload_param",
-    "zero_optimization.zero_quantized_weights": "zeropp",
-    "zero_optimization.zero_quantized_gradients": "zeropp",
-    "zero_optimization.zero_hpz_partition_size": "zeropp",
-    "aio": "nvme_path",
-}
 
 LIGHTNING_FSDP2_PRECISION = "32-true"  # bf16 comes from the MixedPrecisionPolicy, not from Lightning's autocast
 ACCELERATE_FSDP2_PRECISION = "no"  # likewise: Accelerate's bf16 would wrap the forward in autocast as well
 
 
 # --- presets ------------------------------------------------------------------------------------------------------
-
-
-def is_fsdp2_preset(name: Any) -> bool:
-    """Whether ``name`` is one of :data:`FSDP2_PRESETS` (a preset dict counts when it has ``reshard_after_forward``)."""
-    if isinstance(name, dict):
-        return "reshard_after_forward" in name
-    return isinstance(name, str) and name in FSDP2_PRESETS
-
-
-def get_fsdp2_preset(preset: str | dict[str, Any]) -> dict[str, Any]:
-    """A deep copy of an FSDP2 preset (a name or a preset-shaped dict); an unknown name names the nearest one.
-
-    Raises:
-        ConfigError: ``preset`` is not an FSDP2 preset.
-    """
-    if isinstance(preset, dict) and is_fsdp2_preset(preset):
-        return copy.deepcopy(preset)
-    if not is_fsdp2_preset(preset):
-        raise ConfigError(
-            f"unknown FSDP2 preset {preset!r}{nearest(str(preset), FSDP2_PRESET_NAMES)}; "
-            f"valid: {', '.join(FSDP2_PRESET_NAMES)}"
-        )
-    return copy.deepcopy(FSDP2_PRESETS[preset])
-
-
-def refuse_deepspeed_overrides(preset: str, overrides: dict[str, Any]) -> None:
-    """Refuse DeepSpeed ``key=value`` overrides under an FSDP2 preset, in one line: a ZeRO-only feature names the
-    ZeRO preset that has it, any other key says that no DeepSpeed config is built.
-
-    Raises:
-        ConfigError: ``overrides`` is not empty.
-    """
-    for key, value in overrides.items():
-        for prefix, feature in OVERRIDE_FEATURES.items():
-            if key == prefix or key.startswith(prefix + "."):
-                what, zero_preset = ZERO_ONLY_FEATURES[feature]
-                raise ConfigError(
-                    f"ds_overrides {key}={value} ({what}) runs only on DeepSpeed, not under preset={preset}: "
-                    f"use preset={zero_preset}"
-                )
-    if overrides:
-        keys = ", ".join(overrides)
-        raise ConfigError(
-            f"ds_overrides ({keys}) set DeepSpeed keys, and preset={preset} builds no DeepSpeed config: drop them, "
-            f"or use preset={get_fsdp2_preset(preset)['counterpart']}"
-        )
-
-
-def is_fsdp2_config(config: Any) -> bool:
-    """Whether a resolved run config is an FSDP2 one (:func:`resolve_fsdp2_config`), not a DeepSpeed dict."""
-    return isinstance(config, dict) and "fsdp2" in config
-
-
-def resolve_fsdp2_config(
-    preset: str, facts: RunFacts | None = None, overrides: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """The resolved run config of an FSDP2 preset: what the factory's adapters read, shaped like a DeepSpeed dict.
-
-    The batch, accumulation, clipping and precision keys have DeepSpeed's names and the values the ZeRO presets get
-    from the same run, so every reader of a resolved config (``precision_of``, the run files, the lint's batch
-    arithmetic) reads an FSDP2 run alike; the ``fsdp2`` section holds the sharding. No ``zero_optimization``:
-    DeepSpeed never sees this dict.
-
-    Args:
-        preset: an FSDP2 preset name (:data:`common.presets.FSDP2_PRESETS`).
-        facts: the run's world size, batch, accumulation, precision and clipping (the hidden size is not used:
-            FSDP2 has no buckets to scale).
-        overrides: DeepSpeed keys: refused (:func:`refuse_deepspeed_overrides`).
-
-    Raises:
-        ConfigError: an unknown preset, fp16 (:func:`mixed_precision_policy`), an NVMe folder, any override.
-    """
-    facts = facts or RunFacts()
-    spec = get_fsdp2_preset(preset)
-    refuse_deepspeed_overrides(preset, overrides or {})
-    refuse_zero_only_features(preset, {"nvme_path": facts.nvme_path})
-    precision = facts.precision or "bf16"
-    mixed_precision_policy(precision)  # fp16: refused here, before any work
-    return {
-        "train_batch_size": facts.world_size * facts.micro_batch_size * facts.grad_accum,
-        "train_micro_batch_size_per_gpu": facts.micro_batch_size,
-        "gradient_accumulation_steps": facts.grad_accum,
-        "gradient_clipping": float(facts.gradient_clipping),
-        "bf16": {"enabled": precision == "bf16"},
-        "fp16": {"enabled": False},
-        "fsdp2": {
-            "preset": preset,
-            "counterpart": spec["counterpart"],
-            "reshard_after_forward": spec["reshard_after_forward"],
-            "sync_each_micro_batch": spec["sync_each_micro_batch"],
-            "world_size": facts.world_size,
-        },
-    }
 
 
 # --- precision and sharding -------------------------------------------------------------------------------------
@@ -200,13 +95,13 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
             "precision=fp16 is not offered under the FSDP2 presets (no loss scaler is wired for them); use bf16 "
             "(fp32's range, no loss scaling) or fp32, or a ZeRO preset (deepspeed_stage_3) for fp16"
         )
-    if precision not in PRECISIONS:
+    if precision not in ("bf16", "fp32"):
         raise ConfigError(
             f"precision must be bf16 or fp32, got {precision!r}{nearest(str(precision), ('bf16', 'fp32'))}"
         )
     if precision == "fp32":
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def apply_fully_shard(
@@ -324,23 +219,6 @@ def accelerator_fsdp2_kwargs(
             num_steps=grad_accum, sync_each_batch=spec["sync_each_micro_batch"]
         ),
         "kwargs_handlers": [InitProcessGroupKwargs(**pg_kwargs)],
-    }
-
-
-def accelerate_fsdp2_config(
-    preset: str | dict[str, Any], num_processes: int, num_machines: int = 1, main_process_port: int = 29500
-) -> dict[str, Any]:
-    """The accelerate config YAML (as a dict) that launches a script under FSDP2."""
-    spec = get_fsdp2_preset(preset)
-    return {
-        "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": "FSDP",
-        "fsdp_config": {
-            "fsdp_version": 2,
-            "fsdp_reshard_after_forward": spec["reshard_after_forward"],
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-        },
-        **accelerate_launch_fields(num_processes, num_machines, main_process_port, use_cpu=False),
     }
 
 
@@ -543,53 +421,3 @@ def checkpoint_parts(folder: str | Path) -> list[str]:
     """The top-level keys a DCP checkpoint was saved with (``model``, ``optimizer``, ``extra`` ...)."""
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     return sorted({path[0] for path in (metadata.planner_data or {}).values()})
-
-
-# --- accounting ---------------------------------------------------------------------------------------------------
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes this rank holds, by category, counted from the tensors it holds (each storage once).
-
-    ``params``: the local shards of the parameters (padding included: a shard is a view of a padded storage);
-    ``grads``: the local shards of gradients that are alive; ``optimizer``: the local shards of the optimizer's
-    state (Adam's moments); ``buffers``: the module's buffers and any gathered (unsharded) weights alive now.
-    The same keys as :func:`common.accounting.model_state_bytes` for a DeepSpeed engine.
-    """
-    counted: dict[tuple[int, int], str] = {}
-
-    def add(tensor: Any, category: str) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            return
-        storage = _local(tensor).untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key[1] and key not in counted:
-            counted[key] = category
-
-    for param in model.parameters():
-        add(param, "params")
-        add(param.grad, "grads")
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.numel() > 1:
-                    add(value, "optimizer")
-    for buffer in model.buffers():
-        add(buffer, "buffers")
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for fsdp_param in _fsdp_params(module):
-                add(getattr(fsdp_param, "_unsharded_param", None), "buffers")
-
-    return category_totals(counted)
-
-
-def _fsdp_params(module: FSDPModule) -> list[Any]:
-    """The ``FSDPParam`` records of one FSDP unit (torch's private state: an empty list if it moved)."""
-    state = fully_shard.state(module)
-    group = getattr(getattr(state, "_fsdp_param_group", None), "fsdp_params", None)
-    return list(group or [])

@@ -219,6 +219,16 @@ ZERO_ONLY_FEATURES: dict[str, tuple[str, str]] = {
     "pipeline_parallel": ("the DeepSpeed pipeline engine", "deepspeed_stage_1"),
 }
 
+# DeepSpeed override keys (their first dotted parts) that ask for one of the ZeRO-only features above.
+OVERRIDE_FEATURES: dict[str, str] = {
+    "zero_optimization.offload_optimizer": "offload_optimizer",
+    "zero_optimization.offload_param": "offload_param",
+    "zero_optimization.zero_quantized_weights": "zeropp",
+    "zero_optimization.zero_quantized_gradients": "zeropp",
+    "zero_optimization.zero_hpz_partition_size": "zeropp",
+    "aio": "nvme_path",
+}
+
 # What a recipe's ``preset`` key accepts: the ZeRO presets, then the FSDP2 ones.
 ALL_PRESET_NAMES: tuple[str, ...] = PRESET_NAMES + FSDP2_PRESET_NAMES
 
@@ -284,3 +294,49 @@ def refuse_zero_only_features(preset: str, settings: dict[str, Any]) -> None:
                 f"{key}={settings[key]} ({what}) runs only on DeepSpeed, not under preset={preset}: "
                 f"use preset={zero_preset}"
             )
+
+
+def refuse_deepspeed_overrides(preset: str, overrides: dict[str, Any]) -> None:
+    """Refuse DeepSpeed ``key=value`` overrides under an FSDP2 preset, in one line: a ZeRO-only feature names the
+    ZeRO preset that has it, any other key says that no DeepSpeed config is built.
+
+    Raises:
+        ConfigError: ``overrides`` is not empty.
+    """
+    for key, value in overrides.items():
+        for prefix, feature in OVERRIDE_FEATURES.items():
+            if key == prefix or key.startswith(prefix + "."):
+                what, zero_preset = ZERO_ONLY_FEATURES[feature]
+                raise ConfigError(
+                    f"ds_overrides {key}={value} ({what}) runs only on DeepSpeed, not under preset={preset}: "
+                    f"use preset={zero_preset}"
+                )
+    if overrides:
+        keys = ", ".join(overrides)
+        raise ConfigError(
+            f"ds_overrides ({keys}) set DeepSpeed keys, and preset={preset} builds no DeepSpeed config: drop them, "
+            f"or use preset={FSDP2_PRESETS[preset]['counterpart']}"
+        )
+
+
+def is_fsdp2_preset(name: Any) -> bool:
+    """Whether ``name`` is one of :data:`FSDP2_PRESETS` (a preset dict counts when it has ``reshard_after_forward``)."""
+    if isinstance(name, dict):
+        return "reshard_after_forward" in name
+    return isinstance(name, str) and name in FSDP2_PRESETS
+
+
+def get_fsdp2_preset(preset: str | dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of an FSDP2 preset (a name or a preset-shaped dict); an unknown name names the nearest one.
+
+    Raises:
+        ConfigError: ``preset`` is not an FSDP2 preset.
+    """
+    if isinstance(preset, dict) and is_fsdp2_preset(preset):
+        return copy.deepcopy(preset)
+    if not is_fsdp2_preset(preset):
+        raise ConfigError(
+            f"unknown FSDP2 preset {preset!r}{nearest(str(preset), FSDP2_PRESET_NAMES)}; "
+            f"valid: {', '.join(FSDP2_PRESET_NAMES)}"
+        )
+    return copy.deepcopy(FSDP2_PRESETS[preset])

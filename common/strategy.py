@@ -16,7 +16,7 @@ Example::
     plugin = accelerate_plugin(ds_config)        # Accelerator(deepspeed_plugin=plugin, ...)
 
 An FSDP2 preset (``fsdp2``, ``fsdp2_grad_op``: :data:`common.presets.FSDP2_PRESETS`) goes through the same calls:
-:func:`resolve_deepspeed_config` gives its run config (:func:`common.fsdp2.resolve_fsdp2_config`, the same batch,
+:func:`resolve_deepspeed_config` gives its run config (:func:`resolve_fsdp2_config`, the same batch,
 clipping and precision keys with an ``fsdp2`` section instead of ``zero_optimization``), and
 :func:`lightning_trainer_kwargs`, :func:`accelerator_kwargs` and :func:`shard_model` hand each front-end what FSDP2
 needs. This module is the one place that tells the two apart; :mod:`common.fsdp2` (which imports torch) is
@@ -36,7 +36,15 @@ from typing import Any
 from common.errors import ConfigError, nearest
 from common.memory_formulas import MIN_SWAPPED_BYTES, swap_threshold_bytes
 from common.nvme_storage import check_nvme_storage, nvme_sections
-from common.presets import FROM_LAYOUT, FROM_MODEL, get_preset, is_fsdp2_name
+from common.presets import (
+    FROM_LAYOUT,
+    FROM_MODEL,
+    get_fsdp2_preset,
+    get_preset,
+    is_fsdp2_name,
+    refuse_deepspeed_overrides,
+    refuse_zero_only_features,
+)
 from common.process_setup import setup_process
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -166,6 +174,51 @@ class RunFacts:
             gradient_clipping=cfg.gradient_clipping,
             nvme_path=cfg.nvme_path or None,
         )
+
+
+def resolve_fsdp2_config(
+    preset: str, facts: RunFacts | None = None, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The resolved run config of an FSDP2 preset: what the factory's adapters read, shaped like a DeepSpeed dict.
+
+    The batch, accumulation, clipping and precision keys have DeepSpeed's names and the values the ZeRO presets get
+    from the same run, so every reader of a resolved config (``precision_of``, the run files, the lint's batch
+    arithmetic) reads an FSDP2 run alike; the ``fsdp2`` section holds the sharding. No ``zero_optimization``:
+    DeepSpeed never sees this dict.
+
+    Args:
+        preset: an FSDP2 preset name (:data:`common.presets.FSDP2_PRESETS`).
+        facts: the run's world size, batch, accumulation, precision and clipping (the hidden size is not used:
+            FSDP2 has no buckets to scale).
+        overrides: DeepSpeed keys: refused (:func:`common.presets.refuse_deepspeed_overrides`).
+
+    Raises:
+        ConfigError: an unknown preset, fp16 (:func:`common.fsdp2.mixed_precision_policy`), an NVMe folder, an
+            override.
+    """
+    facts = facts or RunFacts()
+    spec = get_fsdp2_preset(preset)
+    refuse_deepspeed_overrides(preset, overrides or {})
+    refuse_zero_only_features(preset, {"nvme_path": facts.nvme_path})
+    precision = facts.precision or "bf16"
+    from common.fsdp2 import mixed_precision_policy  # imports torch: only for an FSDP2 run
+
+    mixed_precision_policy(precision)  # fp16: refused here, before any work
+    return {
+        "train_batch_size": facts.world_size * facts.micro_batch_size * facts.grad_accum,
+        "train_micro_batch_size_per_gpu": facts.micro_batch_size,
+        "gradient_accumulation_steps": facts.grad_accum,
+        "gradient_clipping": float(facts.gradient_clipping),
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": False},
+        "fsdp2": {
+            "preset": preset,
+            "counterpart": spec["counterpart"],
+            "reshard_after_forward": spec["reshard_after_forward"],
+            "sync_each_micro_batch": spec["sync_each_micro_batch"],
+            "world_size": facts.world_size,
+        },
+    }
 
 
 def bucket_elements(hidden_size: int | None) -> int:
@@ -383,8 +436,6 @@ def resolve_deepspeed_config(
             (``facts.check_storage``) an NVMe folder that is missing, not writable or full, or no libaio.
     """
     if is_fsdp2_name(preset):  # torch's FSDP2, not DeepSpeed: the same keys, an fsdp2 section
-        from common.fsdp2 import resolve_fsdp2_config
-
         return resolve_fsdp2_config(preset, facts, overrides)
     facts = facts or RunFacts()
     spec = get_preset(preset) if isinstance(preset, str) else copy.deepcopy(preset)
@@ -433,7 +484,7 @@ def torch_dtype(precision: str) -> Any:
 
 
 def is_fsdp2(config: dict[str, Any]) -> bool:
-    """Whether a resolved config is an FSDP2 preset's (:func:`common.fsdp2.resolve_fsdp2_config`), not DeepSpeed's."""
+    """Whether a resolved config is an FSDP2 preset's (:func:`resolve_fsdp2_config`), not DeepSpeed's."""
     return "fsdp2" in config
 
 
@@ -718,6 +769,23 @@ def accelerate_config(
     }
 
 
+def accelerate_fsdp2_config(
+    preset: str | dict[str, Any], num_processes: int, num_machines: int = 1, main_process_port: int = 29500
+) -> dict[str, Any]:
+    """The accelerate config YAML (as a dict) that launches a script under FSDP2."""
+    spec = get_fsdp2_preset(preset)
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "FSDP",
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": spec["reshard_after_forward"],
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        },
+        **accelerate_launch_fields(num_processes, num_machines, main_process_port, use_cpu=False),
+    }
+
+
 def accelerate_launch_fields(
     num_processes: int, num_machines: int, main_process_port: int, use_cpu: bool
 ) -> dict[str, Any]:
@@ -772,8 +840,6 @@ def write_accelerate_files(
             return str(path.resolve())
 
     if is_fsdp2(ds_config):  # Accelerate's FSDP plugin at version 2; the JSON holds the run config, for reading
-        from common.fsdp2 import accelerate_fsdp2_config
-
         yaml_dict = accelerate_fsdp2_config(ds_config["fsdp2"], num_processes, num_machines)
     else:
         yaml_dict = accelerate_config(

@@ -10,12 +10,19 @@ import torch
 from _util import REPO, recipe_module
 
 from common.errors import ConfigError
-from common.fsdp2 import ZERO_ONLY_FEATURES, is_fsdp2_config
 from common.lint import lint_run
-from common.presets import ALL_PRESET_NAMES, FSDP2_PRESET_NAMES, PRESETS, check_preset_name, get_preset
+from common.presets import (
+    ALL_PRESET_NAMES,
+    FSDP2_PRESET_NAMES,
+    PRESETS,
+    ZERO_ONLY_FEATURES,
+    check_preset_name,
+    get_preset,
+)
 from common.strategy import (
     RunFacts,
     accelerator_kwargs,
+    is_fsdp2,
     lightning_trainer_kwargs,
     make_optimizer,
     precision_of,
@@ -105,7 +112,7 @@ def test_the_factory_resolves_an_fsdp2_run_with_the_zero_presets_batch_and_clipp
     for preset in FSDP2_PRESET_NAMES:
         config = resolve_deepspeed_config(preset, FACTS)
         zero = resolve_deepspeed_config(config["fsdp2"]["counterpart"], FACTS)
-        assert is_fsdp2_config(config) and "zero_optimization" not in config  # DeepSpeed never reads it
+        assert is_fsdp2(config) and "zero_optimization" not in config  # DeepSpeed never reads it
         shared = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
         assert {k: config[k] for k in shared} == {k: zero[k] for k in shared}
         assert config["gradient_clipping"] == zero["gradient_clipping"] == 1.0
