@@ -188,7 +188,8 @@ def accelerator_fsdp2_kwargs(
     own, so the two front-ends would not shard alike. ``sync_each_batch`` keeps Accelerate's ``accumulate`` from
     skipping the reduce-scatter of the first micro-batches (``set_requires_gradient_sync(False)``), which would hold
     a whole unsharded fp32 gradient per rank until the last one. A script started without a launcher (one process)
-    gets a process group of its own here, a world of 1: FSDP2 needs one.
+    gets a process group of its own here, a world of 1: FSDP2 needs one. A launch with a recipe's DeepSpeed
+    ``accelerate.yaml`` runs FSDP2 all the same: the launcher's ``ACCELERATE_USE_DEEPSPEED`` is dropped here.
 
     Args:
         preset: an FSDP2 preset name or dict.
@@ -199,6 +200,10 @@ def accelerator_fsdp2_kwargs(
     from accelerate.utils import FullyShardedDataParallelPlugin, GradientAccumulationPlugin, InitProcessGroupKwargs
 
     spec = get_fsdp2_preset(preset)
+    # The preset picks the engine, not the launcher's config file: a recipe's accelerate.yaml names DeepSpeed, and
+    # `accelerate launch` passes that on as ACCELERATE_USE_DEEPSPEED, which would make Accelerator() build a DeepSpeed
+    # plugin beside the FSDP one and run DeepSpeed.
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
     if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
         # A script started without a launcher is one process with no process group, and the FSDP plugin and
         # fully_shard need one: a world of 1 over an in-memory store (a launcher's processes get Accelerate's).
