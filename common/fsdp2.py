@@ -36,10 +36,8 @@ MoE, the pipeline engine) is refused under an FSDP2 preset with one line naming 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -58,8 +56,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from common.activation import find_blocks
-from common.async_checkpoint import WRITE_DELAY_ENV, Checkpointer, fsync_tree
-from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.async_checkpoint import WRITE_DELAY_ENV, DcpAsyncCheckpointer  # noqa: F401 - read from here too
 from common.errors import ConfigError, nearest
 from common.presets import (  # noqa: F401 - the presets' names and refusals are read from here too
     FSDP2_PRESET_NAMES,
@@ -279,88 +276,6 @@ def dcp_write(
         return dcp.async_save(state, storage_writer=_storage_writer(folder), process_group=async_group)
 
     return write
-
-
-class DcpAsyncCheckpointer(Checkpointer):
-    """DCP's asynchronous save, published like every checkpoint here: rank 0 renames the folder and moves ``latest``
-    only once every rank's shards and DCP's metadata are written and flushed.
-
-    DCP's ``async_save`` copies this rank's state to host memory in the call (the training loop waits for that
-    only), then a thread writes the files and, over a gloo group of its own, gathers every rank's result on rank 0,
-    which writes the metadata last: rank 0's future completes only after every rank has written. Rank 0 then
-    publishes from that thread (:func:`common.checkpoint.publish_checkpoint`: rename, ``latest``, retention). At
-    most one save is in flight: the next waits for the previous. A crash mid-write leaves ``.tmp-step_N`` unnamed by
-    ``latest``, deleted by the next publish or resume.
-
-    Args: those of :class:`common.async_checkpoint.Checkpointer` (the barrier is not used). Every rank must construct
-    it at the same point: it creates the gloo group collectively.
-    """
-
-    def __init__(
-        self,
-        out_dir: str | Path,
-        rank: int,
-        world_size: int,
-        keep_last: int,
-        keep_every: int,
-        barrier: Callable[[], None],
-    ) -> None:
-        super().__init__(out_dir, rank, world_size, keep_last, keep_every, barrier)
-        self.group = dist.new_group(backend="gloo")
-        self.written_s: list[float] = []  # per save: from the save call to rank 0's publish (rank 0 only)
-        self._future: Future | None = None
-        self._error: BaseException | None = None
-        self._published = threading.Event()
-        self._published.set()
-
-    def save(self, step: int, write: Callable[[Path], Any]) -> None:
-        """Wait for the previous save, then start this one; returns once the state is copied to host memory.
-
-        Args:
-            step: the optimizer step being saved.
-            write: ``dcp_write(model, optimizer, extra, async_group=self.group)``: returns DCP's future.
-        """
-        start = time.perf_counter()
-        self.wait()
-        folder = tmp_checkpoint_dir(self.out_dir, step)
-        future = write(folder)
-        if not isinstance(future, Future):
-            raise TypeError(f"an asynchronous save needs dcp_write(..., async_group=...): got {type(future).__name__}")
-        self._future = future
-        if self.rank == 0:
-            self._published.clear()
-            future.add_done_callback(lambda done: self._publish(done, step, folder, start))
-        self.blocked_s.append(time.perf_counter() - start)
-
-    def _publish(self, done: Future, step: int, folder: Path, started: float) -> None:
-        """Rank 0, in DCP's writer thread once every rank has written: flush, rename into place, move ``latest``."""
-        try:
-            done.result()
-            fsync_tree(folder)
-            publish_checkpoint(self.out_dir, step, self.keep_last, self.keep_every)
-            self.written_s.append(time.perf_counter() - started)
-        except BaseException as exc:  # noqa: BLE001 - raised in the training loop by wait()
-            self._error = exc
-        finally:
-            self._published.set()
-
-    def wait(self) -> None:
-        """Block until the save in flight is written (and, on rank 0, published); raise what it raised."""
-        future, self._future = self._future, None
-        error: BaseException | None = None
-        if future is not None:
-            try:
-                future.result()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below with the step's context
-                error = exc
-        self._published.wait()
-        error, self._error = error or self._error, None
-        if error is not None:
-            raise RuntimeError(f"the background checkpoint write failed: {error}") from error
-
-    def finish(self) -> None:
-        """Every rank, at the end of training: wait for the last write (and, on rank 0, its publish)."""
-        self.wait()
 
 
 def load_checkpoint(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -9,8 +9,9 @@ time, each pair runs on one recipe, both front-ends: ``fsdp2`` vs ``deepspeed_st
 ``fsdp2_grad_op`` vs ``deepspeed_stage_2`` on the CV recipe (6 launches of 2 processes). Fp32 ZeRO-2 and ZeRO-3 give
 the same losses (tests/distributed/test_fsdp2_equivalence.py compares all four on one model).
 
-Resume: each science ``fsdp2`` run saved a DCP checkpoint at step 3; a copy of it resumes on 1 process (grad_accum
-doubled: the same global batch) and must log the uninterrupted 2-process run's losses for steps 4-6 within 1e-6.
+Resume: each science ``fsdp2`` run saves DCP checkpoints in the background (``async_save=true``) at steps 3 and 6; a
+copy of the step-3 one resumes on 1 process (grad_accum doubled: the same global batch) and must log the
+uninterrupted 2-process run's losses for steps 4-6 within 1e-6.
 """
 
 from __future__ import annotations
@@ -94,8 +95,10 @@ def runs(tmp_path_factory) -> dict[tuple[str, str, str], Path]:
         for preset, front_ends in ((zero, (zero_front_end,)), (fsdp2, FRONT_ENDS)):
             for front_end in front_ends:
                 out_dir = root / f"{recipe}-{preset}-{front_end}"
-                cache_args = {"cache_dir": cache} if recipe == "science" else {}
-                launch(recipe, front_end, out_dir, preset=preset, **cache_args)
+                # The science FSDP2 runs save in the background (DcpAsyncCheckpointer): their step-3 checkpoint is
+                # the one the resume test loads.
+                extra = {"cache_dir": cache, "async_save": preset == fsdp2} if recipe == "science" else {}
+                launch(recipe, front_end, out_dir, preset=preset, **extra)
                 done[recipe, preset, front_end] = out_dir
     return done
 
@@ -131,6 +134,12 @@ def test_a_two_process_fsdp2_checkpoint_resumes_on_one_process(runs, tmp_path, f
     shutil.copytree(whole / "checkpoints" / name, resumed / "checkpoints" / name)
     (resumed / "checkpoints" / "latest").write_text(name + "\n")
 
+    # Both saves were written in the background and published in order; nothing was left half-written.
+    blocked = [r["step"] for r in read_metrics(whole) if "checkpoint_blocked_s" in r]
+    assert (
+        blocked == [SAVED_STEP, STEPS] and (whole / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:06d}"
+    )
+    assert not list((whole / "checkpoints").glob(".tmp-*"))
     launch(
         "science",
         front_end,
