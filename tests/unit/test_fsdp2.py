@@ -157,3 +157,25 @@ def test_model_state_bytes_count_what_the_tensors_hold():
     assert (state["buffers"], state["model_states"], state["total"]) == (0, 12 * num_params, 12 * num_params)
     model(torch.randn(2, 4)).sum().backward()
     assert fsdp2_model_state_bytes(model, optimizer)["grads"] == 4 * num_params
+
+
+def test_a_deferred_dcp_save_writes_the_state_as_it_was_at_the_call(tmp_path):
+    """What DcpAsyncCheckpointer does with a front-end's own synchronous save: ``dcp.save`` inside the block only
+    stages a host copy; the next optimizer step changes the live tensors in place; the writer then writes the copy."""
+    import torch.distributed.checkpoint as dcp
+
+    from common.async_checkpoint import deferred_dcp_saves, write_deferred
+
+    model, optimizer = trained_linear(seed=0)
+    weight, original = model.weight.detach().clone(), dcp.save
+    with deferred_dcp_saves() as deferred:
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert len(deferred) == 1 and not (tmp_path / "ckpt").exists()  # staged, nothing written yet
+    model(torch.randn(2, 4)).square().sum().backward()
+    optimizer.step()  # in place, after the save call: must not reach the checkpoint
+    assert not torch.equal(model.weight, weight)
+    assert dcp.save is original  # the package's own save is back after the block
+    write_deferred(deferred, group=None)
+    loaded = {"model": {name: torch.zeros_like(value) for name, value in model.state_dict().items()}}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"))
+    assert torch.equal(loaded["model"]["weight"], weight)
