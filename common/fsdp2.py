@@ -19,18 +19,20 @@ the config sets ``communication_data_type: fp32``. The front-ends' own mixed pre
 
 Both front-ends shard the same way, by :func:`apply_fully_shard` (each block, then the root), so the same preset
 gives the same numbers to both: in Lightning's ``ModelParallelStrategy`` from the LightningModule's
-``configure_model``, in Accelerate before ``prepare`` (which then leaves an already sharded model as it is).
+``configure_model``, in Accelerate before ``prepare`` (which then leaves an already sharded model as it is). The
+recipes reach it through the strategy factory (:func:`common.strategy.shard_model`, which does nothing under ZeRO):
+the factory's resolved config says which engine runs (:func:`common.strategy.resolve_fsdp2_config`).
 
 Checkpoints go through ``torch.distributed.checkpoint`` (DCP): every rank writes its shards, and a checkpoint loads
 at any world size, DCP re-sharding on load (:func:`load_checkpoint`). They are published like the ZeRO checkpoints
 (:mod:`common.checkpoint`): written into ``.tmp-step_N``, renamed into place by rank 0, ``latest`` moved last, either
-synchronously (:class:`common.async_checkpoint.Checkpointer` with :func:`dcp_write`) or in the background
-(:class:`DcpAsyncCheckpointer`). :func:`consolidate_checkpoint` turns a checkpoint folder into whole weights on one
-process, for a Hugging Face folder.
+synchronously (:class:`common.async_checkpoint.Checkpointer` with :func:`dcp_write`, or a front-end's own save) or
+in the background (:class:`common.async_checkpoint.DcpAsyncCheckpointer`). :func:`consolidate_checkpoint` turns a
+checkpoint folder into whole weights on one process, for a Hugging Face folder.
 
 What only DeepSpeed has (NVMe offload, separate parameter and optimizer offload, ZeRO++, Ulysses, AutoTP, DeepSpeed
 MoE, the pipeline engine) is refused under an FSDP2 preset with one line naming the ZeRO preset that has it
-(:func:`refuse_zero_only_features`).
+(:func:`common.presets.refuse_zero_only_features`, :func:`common.presets.refuse_deepspeed_overrides`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _util import PYTHON, REPO, accelerate_launch, run
+from _util import PYTHON, REPO, accelerate_launch, describe, one_error, run
 
 from common.rundir import read_metrics
 
@@ -155,3 +155,19 @@ def test_a_two_process_fsdp2_checkpoint_resumes_on_one_process(runs, tmp_path, f
     assert sorted(actual) == list(range(SAVED_STEP + 1, STEPS + 1)), actual  # the resumed process logged them
     for step in actual:
         assert abs(actual[step][key] - expected[step][key]) <= RESUME_RTOL * abs(expected[step][key]), step
+
+
+@pytest.mark.parametrize("recipe", ["cv", "science", "nlp"])
+def test_describe_reports_an_fsdp2_run_with_its_run_config(recipe):
+    printed = describe(REPO / "recipes" / recipe / "train.py", "preset=fsdp2_grad_op", "devices=2")
+    assert printed["ds_config"]["fsdp2"]["reshard_after_forward"] is False
+    assert "zero_optimization" not in printed["ds_config"]
+
+
+def test_the_nlp_recipe_refuses_fsdp2_in_one_line_before_any_work(tmp_path):
+    out_dir = tmp_path / "run"
+    proc = run([PYTHON, REPO / "recipes" / "nlp" / "train.py", "preset=fsdp2", f"out_dir={out_dir}"], check=False)
+    assert "does not run yet" in one_error(proc) and one_error(proc).endswith(
+        "use preset=deepspeed_stage_3, its ZeRO counterpart"
+    )
+    assert not out_dir.exists()
