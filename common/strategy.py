@@ -730,6 +730,17 @@ class AccelerateCheckpointIO:
         extra = {"scheduler": self.scheduler.state_dict()}
         return dcp_write(self.model, _torch_optimizer(self.optimizer), extra)(folder)
 
+    def barrier(self) -> None:
+        """Every rank waits for the others (the checkpointer's barrier). Under FSDP2 on a CPU, Accelerate 1.15 runs in
+        its distributed type ``NO`` (its FSDP mode is for accelerators), where ``wait_for_everyone`` returns at once:
+        the process group's own barrier then."""
+        import torch.distributed as dist
+
+        if is_fsdp2(self.ds_config) and dist.is_initialized():
+            dist.barrier()
+        else:
+            self.accelerator.wait_for_everyone()
+
     def load(self, folder: Path) -> None:
         """Every rank: load the training state saved in ``folder``, re-sharded for this world size under FSDP2."""
         if not is_fsdp2(self.ds_config):

@@ -97,7 +97,7 @@ def main() -> None:
             state.load(resume.load_path)  # the model's and optimizer's shards, the scheduler
     loader = train_loader(data, cfg, rank, world_size, start_step)
     net = accelerator.unwrap_model(engine)
-    checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
+    checkpointer = make_checkpointer(cfg, rank, world_size, state.barrier)
     checkpointer.install(engine)  # async_save: the backend's checkpoint files go through it
 
     metrics = MetricsLog(out_dir, enabled=accelerator.is_main_process)

@@ -93,7 +93,7 @@ def main() -> None:
     # The DataLoader is not prepared either: StepSampler already gives each rank its slice (exact on resume).
     model, optimizer = accelerator.prepare(net, optimizer)
     state = AccelerateCheckpointIO(accelerator, ds_config, model, optimizer, scheduler)  # save_state, or DCP
-    checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
+    checkpointer = make_checkpointer(cfg, rank, world_size, state.barrier)
     checkpointer.install(model)  # async_save: the backend's checkpoint files go through it
     if resume is not None:
         with param_groups_kept(optimizer):  # DeepSpeed's ZeRO-3 universal load flattens the groups' settings
