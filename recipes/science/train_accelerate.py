@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
-from common.metrics import Clock, grad_norm
+from common.metrics import Clock, all_reduce, grad_norm
 from common.process_setup import setup_process
 from common.resume import find_resume_point, mark_universal, param_groups_kept, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
@@ -124,7 +124,9 @@ def main() -> None:
         clock.step_done()
         bar.update(1)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:  # the only host sync of the loop's losses
-            mean_loss = accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item()
+            # common.metrics.all_reduce, not accelerator.reduce: under FSDP2 on a CPU Accelerate runs in its distributed
+            # type NO, where reduce returns this rank's value.
+            mean_loss = all_reduce(torch.stack(losses).mean()).item() / world_size
             metrics.log(step, train_rel_l2=mean_loss, lr=step_lr, grad_norm=grad_norm(model))  # before clipping
             bar.set_postfix(rel_l2=f"{mean_loss:.4f}")
             losses.clear()
