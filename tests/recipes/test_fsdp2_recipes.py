@@ -4,7 +4,8 @@ accumulation 2, clipping 1.0, 6 optimizer steps, through ``train.py`` (Lightning
 
 Each FSDP2 run is compared with a run of the ZeRO preset it is measured against (real DeepSpeed sharding, same seed,
 so the same initial weights and batches): losses within 1e-5 relative at every step. Each ZeRO run also logs its
-gradient norm before clipping, which must exceed 1.0 at every step, so clipping acts in both. To keep the suite's
+gradient norm before clipping, which must exceed the clipping threshold at every step, so clipping acts in both
+(1.0 for science; the tiny Swin's norms stay under 1.0, so CV clips at 0.25). To keep the suite's
 time, each pair runs on one recipe, both front-ends: ``fsdp2`` vs ``deepspeed_stage_3`` on the science recipe,
 ``fsdp2_grad_op`` vs ``deepspeed_stage_2`` on the CV recipe (6 launches of 2 processes). Fp32 ZeRO-2 and ZeRO-3 give
 the same losses (tests/distributed/test_fsdp2_equivalence.py compares all four on one model).
@@ -41,8 +42,9 @@ RUN = {
     "checkpoint_interval": SAVED_STEP,
 }
 RECIPES = {
-    # 1,437 digits; 8 images per rank per micro-batch.
-    "cv": ({"micro_batch_size": 8, "eval_interval": 1000}, "train_loss"),
+    # 1,437 digits; 8 images per rank per micro-batch. The tiny Swin's gradient norms stay under 1.0 here, so the
+    # clipping that must act is lower.
+    "cv": ({"micro_batch_size": 8, "eval_interval": 1000, "gradient_clipping": 0.25}, "train_loss"),
     # 40 pairs, 5 per rank per micro-batch: an epoch is 2 optimizer steps on 2 processes (10 samples per
     # micro-batch) and on 1 (5 per micro-batch, 4 micro-batches), so both world sizes see the same samples per step.
     "science": (
@@ -112,7 +114,8 @@ def test_fsdp2_losses_match_the_zero_counterpart(runs, recipe, fsdp2, zero, zero
     actual = logged(runs[recipe, fsdp2, front_end], key)
     assert sorted(reference) == sorted(actual) == list(range(1, STEPS + 1))
     norms = [reference[step]["grad_norm"] for step in reference]
-    assert min(norms) > CLIP, f"clipping must act at every step for the comparison to cover it: {norms}"
+    clip = RECIPES[recipe][0].get("gradient_clipping", CLIP)
+    assert min(norms) > clip, f"clipping must act at every step for the comparison to cover it: {norms}"
     for step in reference:
         expected, loss = reference[step][key], actual[step][key]
         assert abs(loss - expected) <= FP32_RTOL * abs(expected), (recipe, fsdp2, front_end, step, loss, expected)
