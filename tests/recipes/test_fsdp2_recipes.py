@@ -120,9 +120,12 @@ def test_fsdp2_losses_match_the_zero_counterpart(runs, recipe, fsdp2, zero, zero
         expected, loss = reference[step][key], actual[step][key]
         assert abs(loss - expected) <= FP32_RTOL * abs(expected), (recipe, fsdp2, front_end, step, loss, expected)
     # Counted from the tensors rank 0 holds: a half of the fp32 weights (its shards, with padding), not all of them.
+    # Under fsdp2_grad_op the count comes after the final evaluation's forward, which leaves the weights gathered
+    # (no backward reshards them), so only fsdp2's is checked here.
     summary = json.loads((runs[recipe, fsdp2, front_end] / "summary.json").read_text())
     assert summary["preset"] == fsdp2
-    assert 0.5 <= summary["model_state_breakdown"]["params"] / (4 * summary["num_params"]) < 0.6, summary
+    if fsdp2 == "fsdp2":
+        assert 0.5 <= summary["model_state_breakdown"]["params"] / (4 * summary["num_params"]) < 0.6, summary
 
 
 @pytest.mark.slow
