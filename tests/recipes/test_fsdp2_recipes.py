@@ -11,7 +11,8 @@ time, each pair runs on one recipe, both front-ends: ``fsdp2`` vs ``deepspeed_st
 the same losses (tests/distributed/test_fsdp2_equivalence.py compares all four on one model).
 
 Resume: each science ``fsdp2`` run saves DCP checkpoints in the background (``async_save=true``) at steps 3 and 6; a
-copy of the step-3 one resumes on 1 process (grad_accum doubled: the same global batch) and must log the
+copy of the step-3 one resumes on 1 process (micro_batch_size doubled: the same global batch; Lightning's loop counts
+the resumed epoch's batches from the checkpoint, so grad_accum stays) and must log the
 uninterrupted 2-process run's losses for steps 4-6 within 1e-6.
 """
 
@@ -45,8 +46,8 @@ RECIPES = {
     # 1,437 digits; 8 images per rank per micro-batch. The tiny Swin's gradient norms stay under 1.0 here, so the
     # clipping that must act is lower.
     "cv": ({"micro_batch_size": 8, "eval_interval": 1000, "gradient_clipping": 0.25}, "train_loss"),
-    # 40 pairs, 5 per rank per micro-batch: an epoch is 2 optimizer steps on 2 processes (10 samples per
-    # micro-batch) and on 1 (5 per micro-batch, 4 micro-batches), so both world sizes see the same samples per step.
+    # 40 pairs, 5 per rank per micro-batch: an epoch is 2 optimizer steps on 2 processes and on 1 (10 per
+    # micro-batch there), so both world sizes see the same samples per step.
     "science": (
         {
             "n_train": 40,
@@ -152,7 +153,7 @@ def test_a_two_process_fsdp2_checkpoint_resumes_on_one_process(runs, tmp_path, f
         resumed,
         processes=1,
         preset="fsdp2",
-        grad_accum=4,
+        micro_batch_size=10,
         resume="true",
         cache_dir=whole.parent / "burgers-cache",
     )
