@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO against its peer, PyTorch FSDP2: the same recipe, side by side, on both front-ends.
 
-    python bench/peer.py             # CV and science default models, both front-ends, 3 interleaved reps
+    python bench/peer.py             # CV and science default models, both front-ends, 2 interleaved reps
     python bench/peer.py --quick     # CI: the science recipe's smoke model, Lightning, ZeRO-3 vs fsdp2, 1 rep
-    python bench/peer.py --lock /tmp/zr-heavy.lock   # hold a shared machine's lock around each pair only
+    python bench/peer.py --lock /tmp/zr-heavy.lock   # hold a shared machine's lock around each repetition
     python bench/peer.py --render    # rewrite docs/benchmarks.md's "peer" section from bench/results/peer.json
 
 Each pair compares a ZeRO preset with the FSDP2 preset that shards the same states: ``deepspeed_stage_2`` with
@@ -188,19 +188,18 @@ def nlp_refusal(work: Path) -> str | None:
 def measure(
     cases: list[tuple[str, str]], pairs: tuple, reps: int, steps: int, work: Path, quick: bool, lock: Path | None
 ) -> list[dict]:
-    """Interleaved repetitions of every (recipe, front-end, pair): the two sides of a pair run back to back, holding
-    ``lock`` (other heavy work on a shared machine waits between pairs, not during one)."""
+    """Interleaved repetitions of every (recipe, front-end, pair): the two sides of a pair run back to back, each
+    repetition holding ``lock`` (other heavy work on a shared machine waits between repetitions, not during one)."""
     rows = {
         (recipe, front_end, zero, fsdp2): {"runs": {zero: [], fsdp2: []}, "error": None}
         for recipe, front_end in cases
         for zero, fsdp2 in pairs
     }
     for rep in range(reps):
-        for (recipe, front_end, zero, fsdp2), row in rows.items():
-            if row["error"]:
-                continue
-            with holding(lock):
-                measure_pair(recipe, front_end, (zero, fsdp2), row, rep, steps, work, quick)
+        with holding(lock):
+            for (recipe, front_end, zero, fsdp2), row in rows.items():
+                if not row["error"]:
+                    measure_pair(recipe, front_end, (zero, fsdp2), row, rep, steps, work, quick)
     return [
         {"recipe": recipe, "front_end": front_end, "zero": zero, "fsdp2": fsdp2, **row}
         for (recipe, front_end, zero, fsdp2), row in rows.items()
@@ -354,10 +353,10 @@ def main() -> None:
     parser = bench_parser(__doc__)
     add_results_options(parser, RESULTS)
     parser.add_argument("--quick", action="store_true", help="CI: science smoke model, Lightning, ZeRO-3 vs fsdp2")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12, help=f"optimizer steps per run (more than {WARMUP + 1})")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help=f"optimizer steps per run (more than {WARMUP + 1})")
     parser.add_argument("--work-dir", help="keep the runs' folders here (default: a temporary folder)")
-    parser.add_argument("--lock", type=Path, help="a file to flock around each pair's runs (a shared machine's lock)")
+    parser.add_argument("--lock", type=Path, help="a file to flock around each repetition (a shared machine's lock)")
     args = parser.parse_args()
     if args.render:
         render_from_file(args.json, render_sections, DOCS)
