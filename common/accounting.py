@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 # The ZeRO formula lives with the other memory formulas (torch-free, for the planner); it is named here too
 # because what this module counts is compared with it.
@@ -100,17 +102,23 @@ def _inner_optimizer(ds_optimizer: Any) -> torch.optim.Optimizer | None:
     return inner if isinstance(inner, torch.optim.Optimizer) else None
 
 
-def model_state_bytes(engine: Any) -> dict[str, int]:
-    """Bytes this rank holds, by category, for a ``deepspeed.DeepSpeedEngine``.
+def model_state_bytes(engine: Any, optimizer: Any = None) -> dict[str, int]:
+    """Bytes this rank holds, by category, for a ``deepspeed.DeepSpeedEngine`` or an FSDP2-sharded model.
 
     Args:
         engine: the engine returned by ``deepspeed.initialize`` (Lightning: ``trainer.strategy.model``;
-            Accelerate: the prepared model).
+            Accelerate: the prepared model); under an FSDP2 preset the model that holds the sharded modules.
+        optimizer: FSDP2 only (DeepSpeed's engine holds its own): the run's optimizer, or a front-end's wrapper of
+            it, for its state's shards; None counts none.
 
     Returns:
         ``{"params", "grads", "optimizer", "buffers", "model_states", "total"}`` in bytes, where
         ``model_states = params + grads + optimizer`` (the formulas' quantity) and ``total`` adds buffers.
     """
+    if any(isinstance(module, FSDPModule) for module in engine.modules()):
+        while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = getattr(optimizer, "optimizer", None)  # Accelerate's AcceleratedOptimizer wraps it
+        return fsdp2_model_state_bytes(engine, optimizer)
     counted: dict[tuple[int, int], str] = {}
 
     def add(tensor: torch.Tensor | None, category: str) -> None:
@@ -152,3 +160,50 @@ def model_state_bytes(engine: Any) -> dict[str, int]:
             add(tensor, "buffers")
 
     return category_totals(counted)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def fsdp2_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds, by category, counted from the tensors it holds (each storage once).
+
+    ``params``: the local shards of the parameters (padding included: a shard is a view of a padded storage);
+    ``grads``: the local shards of gradients that are alive; ``optimizer``: the local shards of the optimizer's
+    state (Adam's moments); ``buffers``: the module's buffers and any gathered (unsharded) weights alive now.
+    The same keys as :func:`model_state_bytes` for a DeepSpeed engine.
+    """
+    counted: dict[tuple[int, int], str] = {}
+
+    def add(tensor: Any, category: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            return
+        storage = _local(tensor).untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key[1] and key not in counted:
+            counted[key] = category
+
+    for param in model.parameters():
+        add(param, "params")
+        add(param.grad, "grads")
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    add(value, "optimizer")
+    for buffer in model.buffers():
+        add(buffer, "buffers")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for fsdp_param in _fsdp_params(module):
+                add(getattr(fsdp_param, "_unsharded_param", None), "buffers")
+
+    return category_totals(counted)
+
+
+def _fsdp_params(module: FSDPModule) -> list[Any]:
+    """The ``FSDPParam`` records of one FSDP unit (torch's private state: an empty list if it moved)."""
+    state = fully_shard.state(module)
+    group = getattr(getattr(state, "_fsdp_param_group", None), "fsdp_params", None)
+    return list(group or [])

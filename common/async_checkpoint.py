@@ -54,13 +54,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.presets import is_fsdp2_name
 from common.rundir import fsync_path
 
 MARKER = ".written-rank"
@@ -497,8 +502,12 @@ class Checkpointer:
 
 def make_checkpointer(cfg: Any, rank: int, world_size: int, barrier: Callable[[], None]) -> Checkpointer:
     """The writer a recipe's config asks for: ``async_save`` picks it, ``out_dir``, ``keep_last``, ``keep_every`` and
-    ``collective_timeout_s`` (how long rank 0 waits for the other ranks' writes) set it up."""
+    ``collective_timeout_s`` (how long rank 0 waits for the other ranks' writes) set it up. Under an FSDP2 preset the
+    checkpoints are DCP's: asynchronous ones go through :class:`DcpAsyncCheckpointer` (every rank must then call this
+    at the same point: it creates a process group)."""
     common = (cfg.out_dir, rank, world_size, cfg.keep_last, cfg.keep_every, barrier)
+    if cfg.async_save and is_fsdp2_name(getattr(cfg, "preset", None)):
+        return DcpAsyncCheckpointer(*common)
     if cfg.async_save:
         return AsyncCheckpointer(*common, publish_timeout_s=cfg.collective_timeout_s)
     return Checkpointer(*common)
@@ -690,3 +699,142 @@ class AsyncCheckpointer(Checkpointer):
             time.sleep(PUBLISH_POLL_S)
         fsync_path(folder)  # every rank's marker entry on disk before the rename
         publish_checkpoint(self.out_dir, step, self.keep_last, self.keep_every)
+
+
+class DcpAsyncCheckpointer(Checkpointer):
+    """DCP's asynchronous save, published like every checkpoint here: rank 0 renames the folder and moves ``latest``
+    only once every rank's shards and DCP's metadata are written and flushed.
+
+    The save call copies this rank's state to host memory (the training loop waits for that only), then a thread
+    writes the files and, over a gloo group of its own, gathers every rank's result on rank 0, which writes the
+    metadata last: rank 0's write completes only after every rank has written. Two kinds of ``write`` go through it:
+    ``common.fsdp2.dcp_write(..., async_group=self.group)``, which calls DCP's ``async_save`` and returns its future,
+    and a front-end's own synchronous save (Lightning's ``trainer.save_checkpoint`` under ``ModelParallelStrategy``,
+    :class:`common.strategy.AccelerateCheckpointIO`), each of whose ``dcp.save`` calls is deferred
+    (:func:`deferred_dcp_saves`): staged to host memory in the call and written, in order, by one thread. Rank 0 then
+    publishes from that thread (:func:`common.checkpoint.publish_checkpoint`: rename, ``latest``, retention). At
+    most one save is in flight: the next waits for the previous. A crash mid-write leaves ``.tmp-step_N`` unnamed by
+    ``latest``, deleted by the next publish or resume.
+
+    Args: those of :class:`common.async_checkpoint.Checkpointer` (the barrier is not used). Every rank must construct
+    it at the same point: it creates the gloo group collectively.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        rank: int,
+        world_size: int,
+        keep_last: int,
+        keep_every: int,
+        barrier: Callable[[], None],
+    ) -> None:
+        super().__init__(out_dir, rank, world_size, keep_last, keep_every, barrier)
+        self.group = dist.new_group(backend="gloo")
+        self.written_s: list[float] = []  # per save: from the save call to rank 0's publish (rank 0 only)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-writer")  # one save at a time
+        self._future: Future | None = None
+        self._error: BaseException | None = None
+        self._published = threading.Event()
+        self._published.set()
+
+    def save(self, step: int, write: Callable[[Path], Any]) -> None:
+        """Wait for the previous save, then start this one; returns once the state is copied to host memory.
+
+        Args:
+            step: the optimizer step being saved.
+            write: ``dcp_write(model, optimizer, extra, async_group=self.group)`` (returns DCP's future), or a
+                front-end's save call given the folder, whose ``dcp.save`` calls are deferred.
+        """
+        start = time.perf_counter()
+        self.wait()
+        folder = tmp_checkpoint_dir(self.out_dir, step)
+        with deferred_dcp_saves() as deferred:
+            future = write(folder)
+        if not isinstance(future, Future):
+            if not deferred:
+                raise TypeError(f"{write!r} saved nothing through torch.distributed.checkpoint: not an FSDP2 save")
+            future = self._writer.submit(write_deferred, deferred, self.group)
+        self._future = future
+        if self.rank == 0:
+            self._published.clear()
+            future.add_done_callback(lambda done: self._publish(done, step, folder, start))
+        self.blocked_s.append(time.perf_counter() - start)
+
+    def _publish(self, done: Future, step: int, folder: Path, started: float) -> None:
+        """Rank 0, in DCP's writer thread once every rank has written: flush, rename into place, move ``latest``."""
+        try:
+            done.result()
+            fsync_tree(folder)
+            publish_checkpoint(self.out_dir, step, self.keep_last, self.keep_every)
+            self.written_s.append(time.perf_counter() - started)
+        except BaseException as exc:  # noqa: BLE001 - raised in the training loop by wait()
+            self._error = exc
+        finally:
+            self._published.set()
+
+    def wait(self) -> None:
+        """Block until the save in flight is written (and, on rank 0, published); raise what it raised."""
+        future, self._future = self._future, None
+        error: BaseException | None = None
+        if future is not None:
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below with the step's context
+                error = exc
+        self._published.wait()
+        error, self._error = error or self._error, None
+        if error is not None:
+            raise RuntimeError(f"the background checkpoint write failed: {error}") from error
+
+    def finish(self) -> None:
+        """Every rank, at the end of training: wait for the last write (and, on rank 0, its publish)."""
+        self.wait()
+        self._writer.shutdown()
+
+
+@contextlib.contextmanager
+def deferred_dcp_saves() -> Iterator[list[tuple[Any, dict[str, Any]]]]:
+    """While in the block, each ``torch.distributed.checkpoint.save(state_dict, ...)`` stages its state to host memory
+    and returns, recording ``(staged state, keyword arguments)`` in the yielded list for :func:`write_deferred`.
+
+    The front-ends' own saves call ``dcp.save`` synchronously (Lightning's ``ModelParallelStrategy`` imports it from
+    the package at each save; :func:`common.fsdp2.dcp_write` calls ``dcp.save``): replacing the package's attribute
+    for the length of one save call makes them asynchronous without a copy of their code.
+    """
+    deferred: list[tuple[Any, dict[str, Any]]] = []
+    original = dcp.save
+
+    def stage(state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        names = ("checkpoint_id", "storage_writer", "planner", "process_group", "no_dist")
+        deferred.append((host_copy(state_dict), {**dict(zip(names, args)), **kwargs}))
+
+    dcp.save = stage
+    try:
+        yield deferred
+    finally:
+        dcp.save = original
+
+
+def host_copy(state: Any) -> Any:
+    """A copy of a state dict that training cannot change: every tensor copied to host memory, a DTensor as a DTensor
+    (its mesh and placements kept: DCP writes this rank's shard under the whole tensor's name)."""
+    if isinstance(state, DTensor):
+        local = state.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(
+            local, state.device_mesh, state.placements, run_check=False, shape=state.shape, stride=state.stride()
+        )
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: host_copy(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(host_copy(value) for value in state)
+    return copy.deepcopy(state)
+
+
+def write_deferred(deferred: list[tuple[Any, dict[str, Any]]], group: Any) -> None:
+    """The writer thread: each deferred ``dcp.save``, in the order the front-end made them, over ``group`` (a gloo
+    group of every rank, not the training's, whose collectives run meanwhile)."""
+    for state_dict, kwargs in deferred:
+        dcp.save(state_dict, **{**kwargs, "process_group": group})

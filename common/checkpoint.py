@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from common.errors import ConfigError
 from common.rundir import fsync_path, write_text_atomic
@@ -160,7 +161,7 @@ def checkpoint_step(path: str | Path) -> int:
 def gather_full_state_dict(
     module: torch.nn.Module, rank: int, dtype: torch.dtype | None = None
 ) -> dict[str, Any] | None:
-    """Whole parameters and buffers of a (possibly ZeRO-3-partitioned) module, on rank 0 only.
+    """Whole parameters and buffers of a (possibly ZeRO-3-partitioned or FSDP2-sharded) module, on rank 0 only.
 
     Every rank must call it (the gathers are collective). Parameters are gathered one at a time and
     copied to CPU on rank 0, so no rank ever holds the whole model on the accelerator.
@@ -179,8 +180,11 @@ def gather_full_state_dict(
     for name, param in module.named_parameters():
         partitioned = hasattr(param, "ds_id")
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=partitioned):
+            whole = param.detach()
+            if isinstance(whole, DTensor):  # an FSDP2 shard: every rank takes part in gathering it
+                whole = whole.full_tensor()
             if rank == 0:
-                tensor = param.detach().to("cpu", copy=True)
+                tensor = whole.to("cpu", copy=True)
                 state[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
     if rank == 0:
         for name, buffer in module.named_buffers():

@@ -19,28 +19,27 @@ the config sets ``communication_data_type: fp32``. The front-ends' own mixed pre
 
 Both front-ends shard the same way, by :func:`apply_fully_shard` (each block, then the root), so the same preset
 gives the same numbers to both: in Lightning's ``ModelParallelStrategy`` from the LightningModule's
-``configure_model``, in Accelerate before ``prepare`` (which then leaves an already sharded model as it is).
+``configure_model``, in Accelerate before ``prepare`` (which then leaves an already sharded model as it is). The
+recipes reach it through the strategy factory (:func:`common.strategy.shard_model`, which does nothing under ZeRO):
+the factory's resolved config says which engine runs (:func:`common.strategy.resolve_fsdp2_config`).
 
 Checkpoints go through ``torch.distributed.checkpoint`` (DCP): every rank writes its shards, and a checkpoint loads
 at any world size, DCP re-sharding on load (:func:`load_checkpoint`). They are published like the ZeRO checkpoints
 (:mod:`common.checkpoint`): written into ``.tmp-step_N``, renamed into place by rank 0, ``latest`` moved last, either
-synchronously (:class:`common.async_checkpoint.Checkpointer` with :func:`dcp_write`) or in the background
-(:class:`DcpAsyncCheckpointer`). :func:`consolidate_checkpoint` turns a checkpoint folder into whole weights on one
-process, for a Hugging Face folder.
+synchronously (:class:`common.async_checkpoint.Checkpointer` with :func:`dcp_write`, or a front-end's own save) or
+in the background (:class:`common.async_checkpoint.DcpAsyncCheckpointer`). :func:`consolidate_checkpoint` turns a
+checkpoint folder into whole weights on one process, for a Hugging Face folder.
 
 What only DeepSpeed has (NVMe offload, separate parameter and optimizer offload, ZeRO++, Ulysses, AutoTP, DeepSpeed
 MoE, the pipeline engine) is refused under an FSDP2 preset with one line naming the ZeRO preset that has it
-(:func:`refuse_zero_only_features`).
+(:func:`common.presets.refuse_zero_only_features`, :func:`common.presets.refuse_deepspeed_overrides`).
 """
 
 from __future__ import annotations
 
-import copy
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -56,106 +55,26 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from common.accounting import category_totals
 from common.activation import find_blocks
-from common.async_checkpoint import WRITE_DELAY_ENV, Checkpointer, fsync_tree
-from common.checkpoint import publish_checkpoint, tmp_checkpoint_dir
+from common.async_checkpoint import WRITE_DELAY_ENV, DcpAsyncCheckpointer  # noqa: F401 - read from here too
 from common.errors import ConfigError, nearest
-from common.strategy import PRECISIONS, accelerate_launch_fields, torch_dtype
-
-FSDP2_PRESETS: dict[str, dict[str, Any]] = {
-    "fsdp2": {
-        "why": "Parameters, gradients and optimizer state sharded (ZeRO-3's counterpart): two all-gathers per block.",
-        # The ZeRO preset that shards the same states: compared with it side by side (bench/peer.py).
-        "counterpart": "deepspeed_stage_3",
-        # Free each block's gathered weights after its forward, gather again for its backward: 16K/N at rest.
-        "reshard_after_forward": True,
-        # Reduce-scatter every micro-batch, as ZeRO-2/3 do: the whole unsharded gradient never waits for the next.
-        "sync_each_micro_batch": True,
-    },
-    "fsdp2_grad_op": {
-        "why": "Weights stay gathered from a block's forward to its backward (ZeRO-2's counterpart): one all-gather.",
-        "counterpart": "deepspeed_stage_2",
-        # Keep gathered weights through the backward: one all-gather per step, the whole model gathered at the peak.
-        "reshard_after_forward": False,
-        # As under fsdp2: DeepSpeed's stage 2 reduces every micro-batch's gradients into its partition too.
-        "sync_each_micro_batch": True,
-    },
-}
-
-FSDP2_PRESET_NAMES: tuple[str, ...] = tuple(FSDP2_PRESETS)
-
-# Recipe settings that only DeepSpeed runs, each with what it is and the ZeRO preset (or stage) that has it.
-ZERO_ONLY_FEATURES: dict[str, tuple[str, str]] = {
-    "nvme_path": ("NVMe offload (ZeRO-Infinity)", "deepspeed_stage_3_offload_nvme"),
-    "offload_optimizer": ("optimizer-state offload apart from the parameters", "deepspeed_stage_2_offload"),
-    "offload_param": ("parameter offload to host memory", "deepspeed_stage_3_offload"),
-    "zeropp": ("ZeRO++ (quantized all-gather, hpZ, quantized gradients)", "deepspeed_stage_3_zeropp"),
-    "sequence_parallel": ("Ulysses sequence parallelism", "deepspeed_stage_3"),
-    "tensor_parallel": ("AutoTP tensor parallelism", "deepspeed_stage_2"),
-    "expert_parallel": ("DeepSpeed MoE expert parallelism", "deepspeed_stage_2"),
-    "pipeline_parallel": ("the DeepSpeed pipeline engine", "deepspeed_stage_1"),
-}
+from common.presets import (  # noqa: F401 - the presets' names and refusals are read from here too
+    FSDP2_PRESET_NAMES,
+    FSDP2_PRESETS,
+    ZERO_ONLY_FEATURES,
+    get_fsdp2_preset,
+    is_active,
+    is_fsdp2_preset,
+    refuse_zero_only_features,
+)
 
 LIGHTNING_FSDP2_PRECISION = "32-true"  # bf16 comes from the MixedPrecisionPolicy, not from Lightning's autocast
 ACCELERATE_FSDP2_PRECISION = "no"  # likewise: Accelerate's bf16 would wrap the forward in autocast as well
 
 
 # --- presets ------------------------------------------------------------------------------------------------------
-
-
-def is_fsdp2_preset(name: Any) -> bool:
-    """Whether ``name`` is one of :data:`FSDP2_PRESETS` (a preset dict counts when it has ``reshard_after_forward``)."""
-    if isinstance(name, dict):
-        return "reshard_after_forward" in name
-    return isinstance(name, str) and name in FSDP2_PRESETS
-
-
-def get_fsdp2_preset(preset: str | dict[str, Any]) -> dict[str, Any]:
-    """A deep copy of an FSDP2 preset (a name or a preset-shaped dict); an unknown name names the nearest one.
-
-    Raises:
-        ConfigError: ``preset`` is not an FSDP2 preset.
-    """
-    if isinstance(preset, dict) and is_fsdp2_preset(preset):
-        return copy.deepcopy(preset)
-    if not is_fsdp2_preset(preset):
-        raise ConfigError(
-            f"unknown FSDP2 preset {preset!r}{nearest(str(preset), FSDP2_PRESET_NAMES)}; "
-            f"valid: {', '.join(FSDP2_PRESET_NAMES)}"
-        )
-    return copy.deepcopy(FSDP2_PRESETS[preset])
-
-
-def is_active(value: Any) -> bool:
-    """Whether a recipe setting turns its feature on: a degree above 1, a non-empty path, true."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int | float):
-        return value > 1
-    return bool(value)
-
-
-def refuse_zero_only_features(preset: str, settings: dict[str, Any]) -> None:
-    """Refuse, in one line, the first setting that only DeepSpeed runs, naming the ZeRO preset that has it.
-
-    Args:
-        preset: the run's FSDP2 preset name.
-        settings: the recipe's values of :data:`ZERO_ONLY_FEATURES`' keys (others are ignored), e.g.
-            ``{"sequence_parallel": 2, "nvme_path": ""}``.
-
-    Raises:
-        ConfigError: a ZeRO-only feature is on.
-    """
-    for key, (what, zero_preset) in ZERO_ONLY_FEATURES.items():
-        if is_active(settings.get(key)):
-            raise ConfigError(
-                f"{key}={settings[key]} ({what}) runs only on DeepSpeed, not under preset={preset}: "
-                f"use preset={zero_preset}"
-            )
 
 
 # --- precision and sharding -------------------------------------------------------------------------------------
@@ -175,13 +94,13 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
             "precision=fp16 is not offered under the FSDP2 presets (no loss scaler is wired for them); use bf16 "
             "(fp32's range, no loss scaling) or fp32, or a ZeRO preset (deepspeed_stage_3) for fp16"
         )
-    if precision not in PRECISIONS:
+    if precision not in ("bf16", "fp32"):
         raise ConfigError(
             f"precision must be bf16 or fp32, got {precision!r}{nearest(str(precision), ('bf16', 'fp32'))}"
         )
     if precision == "fp32":
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def apply_fully_shard(
@@ -193,8 +112,9 @@ def apply_fully_shard(
 ) -> list[str]:
     """Shard ``model`` in place: each block (:func:`common.activation.find_blocks`), then the root; return the blocks.
 
-    Activation checkpointing (:func:`common.activation.apply_activation_checkpointing`) goes on first: it wraps each
-    block's ``forward``, and FSDP2's hooks gather the weights around the wrapped call and its recomputation alike.
+    Activation checkpointing (:func:`common.activation.apply_activation_checkpointing`) goes on first: it wraps
+    each block's ``forward``, and FSDP2's hooks gather the weights around the wrapped call and its recomputation
+    alike.
 
     Args:
         model: a module whose parameters are all on one device (a CPU, or the rank's accelerator).
@@ -266,7 +186,9 @@ def accelerator_fsdp2_kwargs(
     (``fsdp2_prepare_model``) would also carve the embeddings and a tail of final norm and head into groups of their
     own, so the two front-ends would not shard alike. ``sync_each_batch`` keeps Accelerate's ``accumulate`` from
     skipping the reduce-scatter of the first micro-batches (``set_requires_gradient_sync(False)``), which would hold
-    a whole unsharded fp32 gradient per rank until the last one.
+    a whole unsharded fp32 gradient per rank until the last one. A script started without a launcher (one process)
+    gets a process group of its own here, a world of 1: FSDP2 needs one. A launch with a recipe's DeepSpeed
+    ``accelerate.yaml`` runs FSDP2 all the same: the launcher's ``ACCELERATE_USE_DEEPSPEED`` is dropped here.
 
     Args:
         preset: an FSDP2 preset name or dict.
@@ -277,6 +199,14 @@ def accelerator_fsdp2_kwargs(
     from accelerate.utils import FullyShardedDataParallelPlugin, GradientAccumulationPlugin, InitProcessGroupKwargs
 
     spec = get_fsdp2_preset(preset)
+    # The preset picks the engine, not the launcher's config file: a recipe's accelerate.yaml names DeepSpeed, and
+    # `accelerate launch` passes that on as ACCELERATE_USE_DEEPSPEED, which would make Accelerator() build a DeepSpeed
+    # plugin beside the FSDP one and run DeepSpeed.
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        # A script started without a launcher is one process with no process group, and the FSDP plugin and
+        # fully_shard need one: a world of 1 over an in-memory store (a launcher's processes get Accelerate's).
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2,
         reshard_after_forward=spec["reshard_after_forward"],
@@ -293,23 +223,6 @@ def accelerator_fsdp2_kwargs(
             num_steps=grad_accum, sync_each_batch=spec["sync_each_micro_batch"]
         ),
         "kwargs_handlers": [InitProcessGroupKwargs(**pg_kwargs)],
-    }
-
-
-def accelerate_fsdp2_config(
-    preset: str | dict[str, Any], num_processes: int, num_machines: int = 1, main_process_port: int = 29500
-) -> dict[str, Any]:
-    """The accelerate config YAML (as a dict) that launches a script under FSDP2."""
-    spec = get_fsdp2_preset(preset)
-    return {
-        "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": "FSDP",
-        "fsdp_config": {
-            "fsdp_version": 2,
-            "fsdp_reshard_after_forward": spec["reshard_after_forward"],
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-        },
-        **accelerate_launch_fields(num_processes, num_machines, main_process_port, use_cpu=False),
     }
 
 
@@ -365,88 +278,6 @@ def dcp_write(
         return dcp.async_save(state, storage_writer=_storage_writer(folder), process_group=async_group)
 
     return write
-
-
-class DcpAsyncCheckpointer(Checkpointer):
-    """DCP's asynchronous save, published like every checkpoint here: rank 0 renames the folder and moves ``latest``
-    only once every rank's shards and DCP's metadata are written and flushed.
-
-    DCP's ``async_save`` copies this rank's state to host memory in the call (the training loop waits for that
-    only), then a thread writes the files and, over a gloo group of its own, gathers every rank's result on rank 0,
-    which writes the metadata last: rank 0's future completes only after every rank has written. Rank 0 then
-    publishes from that thread (:func:`common.checkpoint.publish_checkpoint`: rename, ``latest``, retention). At
-    most one save is in flight: the next waits for the previous. A crash mid-write leaves ``.tmp-step_N`` unnamed by
-    ``latest``, deleted by the next publish or resume.
-
-    Args: those of :class:`common.async_checkpoint.Checkpointer` (the barrier is not used). Every rank must construct
-    it at the same point: it creates the gloo group collectively.
-    """
-
-    def __init__(
-        self,
-        out_dir: str | Path,
-        rank: int,
-        world_size: int,
-        keep_last: int,
-        keep_every: int,
-        barrier: Callable[[], None],
-    ) -> None:
-        super().__init__(out_dir, rank, world_size, keep_last, keep_every, barrier)
-        self.group = dist.new_group(backend="gloo")
-        self.written_s: list[float] = []  # per save: from the save call to rank 0's publish (rank 0 only)
-        self._future: Future | None = None
-        self._error: BaseException | None = None
-        self._published = threading.Event()
-        self._published.set()
-
-    def save(self, step: int, write: Callable[[Path], Any]) -> None:
-        """Wait for the previous save, then start this one; returns once the state is copied to host memory.
-
-        Args:
-            step: the optimizer step being saved.
-            write: ``dcp_write(model, optimizer, extra, async_group=self.group)``: returns DCP's future.
-        """
-        start = time.perf_counter()
-        self.wait()
-        folder = tmp_checkpoint_dir(self.out_dir, step)
-        future = write(folder)
-        if not isinstance(future, Future):
-            raise TypeError(f"an asynchronous save needs dcp_write(..., async_group=...): got {type(future).__name__}")
-        self._future = future
-        if self.rank == 0:
-            self._published.clear()
-            future.add_done_callback(lambda done: self._publish(done, step, folder, start))
-        self.blocked_s.append(time.perf_counter() - start)
-
-    def _publish(self, done: Future, step: int, folder: Path, started: float) -> None:
-        """Rank 0, in DCP's writer thread once every rank has written: flush, rename into place, move ``latest``."""
-        try:
-            done.result()
-            fsync_tree(folder)
-            publish_checkpoint(self.out_dir, step, self.keep_last, self.keep_every)
-            self.written_s.append(time.perf_counter() - started)
-        except BaseException as exc:  # noqa: BLE001 - raised in the training loop by wait()
-            self._error = exc
-        finally:
-            self._published.set()
-
-    def wait(self) -> None:
-        """Block until the save in flight is written (and, on rank 0, published); raise what it raised."""
-        future, self._future = self._future, None
-        error: BaseException | None = None
-        if future is not None:
-            try:
-                future.result()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below with the step's context
-                error = exc
-        self._published.wait()
-        error, self._error = error or self._error, None
-        if error is not None:
-            raise RuntimeError(f"the background checkpoint write failed: {error}") from error
-
-    def finish(self) -> None:
-        """Every rank, at the end of training: wait for the last write (and, on rank 0, its publish)."""
-        self.wait()
 
 
 def load_checkpoint(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -512,53 +343,3 @@ def checkpoint_parts(folder: str | Path) -> list[str]:
     """The top-level keys a DCP checkpoint was saved with (``model``, ``optimizer``, ``extra`` ...)."""
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     return sorted({path[0] for path in (metadata.planner_data or {}).values()})
-
-
-# --- accounting ---------------------------------------------------------------------------------------------------
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes this rank holds, by category, counted from the tensors it holds (each storage once).
-
-    ``params``: the local shards of the parameters (padding included: a shard is a view of a padded storage);
-    ``grads``: the local shards of gradients that are alive; ``optimizer``: the local shards of the optimizer's
-    state (Adam's moments); ``buffers``: the module's buffers and any gathered (unsharded) weights alive now.
-    The same keys as :func:`common.accounting.model_state_bytes` for a DeepSpeed engine.
-    """
-    counted: dict[tuple[int, int], str] = {}
-
-    def add(tensor: Any, category: str) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            return
-        storage = _local(tensor).untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key[1] and key not in counted:
-            counted[key] = category
-
-    for param in model.parameters():
-        add(param, "params")
-        add(param.grad, "grads")
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.numel() > 1:
-                    add(value, "optimizer")
-    for buffer in model.buffers():
-        add(buffer, "buffers")
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for fsdp_param in _fsdp_params(module):
-                add(getattr(fsdp_param, "_unsharded_param", None), "buffers")
-
-    return category_totals(counted)
-
-
-def _fsdp_params(module: FSDPModule) -> list[Any]:
-    """The ``FSDPParam`` records of one FSDP unit (torch's private state: an empty list if it moved)."""
-    state = fully_shard.state(module)
-    group = getattr(getattr(state, "_fsdp_param_group", None), "fsdp_params", None)
-    return list(group or [])

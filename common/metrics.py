@@ -117,7 +117,10 @@ def all_reduce(tensor: Any, op: str = "sum") -> Any:
 
 def grad_norm(engine: Any) -> float:
     """The last optimizer step's gradient norm before clipping, as DeepSpeed computed it over every rank (NaN before
-    the first step). The same on every rank; sequence parallel: it checks the loss scaling (module docstring of
-    common/sequence_parallel.py), which the loss curve alone hides."""
+    the first step, and under an FSDP2 preset, whose front-end clipping keeps no norm). The same on every rank;
+    sequence parallel: it checks the loss scaling (module docstring of common/sequence_parallel.py), which the loss
+    curve alone hides."""
+    if not hasattr(engine, "get_global_grad_norm"):  # an FSDP2 model: the front-end's clipping keeps no norm
+        return math.nan
     norm = engine.get_global_grad_norm()
     return math.nan if norm is None else float(norm)

@@ -10,12 +10,18 @@ resolved config never contains ``"auto"``.
 
 The generic ladder uses Lightning's strategy names (``deepspeed_stage_2_offload`` ...), so a user who
 knows ``Trainer(strategy="deepspeed_stage_3")`` finds the same names here.
+
+Beside them, :data:`FSDP2_PRESETS`: PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), the peer a user would
+pick instead of DeepSpeed, each preset named with the ZeRO preset it is measured against (:mod:`common.fsdp2` runs
+them). Every recipe accepts both families' names (:data:`ALL_PRESET_NAMES`, :func:`check_preset_name`).
 """
 
 from __future__ import annotations
 
 import copy
 from typing import Any
+
+from common.errors import ConfigError, nearest
 
 # Sentinel for "the factory derives this from the model's hidden size" (see strategy.bucket_sizes).
 FROM_MODEL = "from_model"
@@ -179,6 +185,53 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 
+# PyTorch FSDP2 presets: the same sharding, done by torch instead of DeepSpeed (common/fsdp2.py runs them).
+FSDP2_PRESETS: dict[str, dict[str, Any]] = {
+    "fsdp2": {
+        "why": "Parameters, gradients and optimizer state sharded (ZeRO-3's counterpart): two all-gathers per block.",
+        # The ZeRO preset that shards the same states: compared with it side by side (bench/peer.py).
+        "counterpart": "deepspeed_stage_3",
+        # Free each block's gathered weights after its forward, gather again for its backward: 16K/N at rest.
+        "reshard_after_forward": True,
+        # Reduce-scatter every micro-batch, as ZeRO-2/3 do: the whole unsharded gradient never waits for the next.
+        "sync_each_micro_batch": True,
+    },
+    "fsdp2_grad_op": {
+        "why": "Weights stay gathered from a block's forward to its backward (ZeRO-2's counterpart): one all-gather.",
+        "counterpart": "deepspeed_stage_2",
+        # Keep gathered weights through the backward: one all-gather per step, the whole model gathered at the peak.
+        "reshard_after_forward": False,
+        # As under fsdp2: DeepSpeed's stage 2 reduces every micro-batch's gradients into its partition too.
+        "sync_each_micro_batch": True,
+    },
+}
+
+FSDP2_PRESET_NAMES: tuple[str, ...] = tuple(FSDP2_PRESETS)
+# Recipe settings that only DeepSpeed runs, each with what it is and the ZeRO preset (or stage) that has it.
+ZERO_ONLY_FEATURES: dict[str, tuple[str, str]] = {
+    "nvme_path": ("NVMe offload (ZeRO-Infinity)", "deepspeed_stage_3_offload_nvme"),
+    "offload_optimizer": ("optimizer-state offload apart from the parameters", "deepspeed_stage_2_offload"),
+    "offload_param": ("parameter offload to host memory", "deepspeed_stage_3_offload"),
+    "zeropp": ("ZeRO++ (quantized all-gather, hpZ, quantized gradients)", "deepspeed_stage_3_zeropp"),
+    "sequence_parallel": ("Ulysses sequence parallelism", "deepspeed_stage_3"),
+    "tensor_parallel": ("AutoTP tensor parallelism", "deepspeed_stage_2"),
+    "expert_parallel": ("DeepSpeed MoE expert parallelism", "deepspeed_stage_2"),
+    "pipeline_parallel": ("the DeepSpeed pipeline engine", "deepspeed_stage_1"),
+}
+
+# DeepSpeed override keys (their first dotted parts) that ask for one of the ZeRO-only features above.
+OVERRIDE_FEATURES: dict[str, str] = {
+    "zero_optimization.offload_optimizer": "offload_optimizer",
+    "zero_optimization.offload_param": "offload_param",
+    "zero_optimization.zero_quantized_weights": "zeropp",
+    "zero_optimization.zero_quantized_gradients": "zeropp",
+    "zero_optimization.zero_hpz_partition_size": "zeropp",
+    "aio": "nvme_path",
+}
+
+# What a recipe's ``preset`` key accepts: the ZeRO presets, then the FSDP2 ones.
+ALL_PRESET_NAMES: tuple[str, ...] = PRESET_NAMES + FSDP2_PRESET_NAMES
+
 
 def get_preset(name: str) -> dict[str, Any]:
     """Return a deep copy of a preset, or raise :class:`common.errors.ConfigError` naming the nearest one.
@@ -186,10 +239,118 @@ def get_preset(name: str) -> dict[str, Any]:
     Args:
         name: a key of :data:`PRESETS`.
     """
-    from common.errors import ConfigError, nearest
-
+    if is_fsdp2_name(name):
+        raise ConfigError(
+            f"{name} is an FSDP2 preset (torch's fully_shard), not a DeepSpeed one: it has no DeepSpeed config; "
+            f"its ZeRO counterpart is {FSDP2_PRESETS[name]['counterpart']}"
+        )
     if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError(
             f"unknown preset {name!r}{nearest(str(name), PRESET_NAMES)}; valid: {', '.join(PRESET_NAMES)}"
         )
     return copy.deepcopy(PRESETS[name])
+
+
+def is_fsdp2_name(name: Any) -> bool:
+    """Whether ``name`` names one of :data:`FSDP2_PRESETS` (run by torch's FSDP2, not by DeepSpeed)."""
+    return isinstance(name, str) and name in FSDP2_PRESETS
+
+
+def check_preset_name(name: Any) -> None:
+    """Refuse a name that is neither a ZeRO nor an FSDP2 preset, in one line naming the nearest and listing all.
+
+    Raises:
+        ConfigError: ``name`` is not in :data:`ALL_PRESET_NAMES`.
+    """
+    if not isinstance(name, str) or name not in ALL_PRESET_NAMES:
+        raise ConfigError(
+            f"unknown preset {name!r}{nearest(str(name), ALL_PRESET_NAMES)}; valid: {', '.join(ALL_PRESET_NAMES)}"
+        )
+
+
+def is_active(value: Any) -> bool:
+    """Whether a recipe setting turns its feature on: a degree above 1, a non-empty path, true."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return value > 1
+    return bool(value)
+
+
+def refuse_zero_only_features(preset: str, settings: dict[str, Any]) -> None:
+    """Refuse, in one line, the first setting that only DeepSpeed runs, naming the ZeRO preset that has it.
+
+    Args:
+        preset: the run's FSDP2 preset name.
+        settings: the recipe's values of :data:`ZERO_ONLY_FEATURES`' keys (others are ignored), e.g.
+            ``{"sequence_parallel": 2, "nvme_path": ""}``.
+
+    Raises:
+        ConfigError: a ZeRO-only feature is on.
+    """
+    for key, (what, zero_preset) in ZERO_ONLY_FEATURES.items():
+        if is_active(settings.get(key)):
+            raise ConfigError(
+                f"{key}={settings[key]} ({what}) runs only on DeepSpeed, not under preset={preset}: "
+                f"use preset={zero_preset}"
+            )
+
+
+def refuse_deepspeed_overrides(preset: str, overrides: dict[str, Any]) -> None:
+    """Refuse DeepSpeed ``key=value`` overrides under an FSDP2 preset, in one line: a ZeRO-only feature names the
+    ZeRO preset that has it, any other key says that no DeepSpeed config is built.
+
+    Raises:
+        ConfigError: ``overrides`` is not empty.
+    """
+    for key, value in overrides.items():
+        for prefix, feature in OVERRIDE_FEATURES.items():
+            if key == prefix or key.startswith(prefix + "."):
+                what, zero_preset = ZERO_ONLY_FEATURES[feature]
+                raise ConfigError(
+                    f"ds_overrides {key}={value} ({what}) runs only on DeepSpeed, not under preset={preset}: "
+                    f"use preset={zero_preset}"
+                )
+    if overrides:
+        keys = ", ".join(overrides)
+        raise ConfigError(
+            f"ds_overrides ({keys}) set DeepSpeed keys, and preset={preset} builds no DeepSpeed config: drop them, "
+            f"or use preset={FSDP2_PRESETS[preset]['counterpart']}"
+        )
+
+
+def is_fsdp2_preset(name: Any) -> bool:
+    """Whether ``name`` is one of :data:`FSDP2_PRESETS` (a preset dict counts when it has ``reshard_after_forward``)."""
+    if isinstance(name, dict):
+        return "reshard_after_forward" in name
+    return isinstance(name, str) and name in FSDP2_PRESETS
+
+
+def get_fsdp2_preset(preset: str | dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of an FSDP2 preset (a name or a preset-shaped dict); an unknown name names the nearest one.
+
+    Raises:
+        ConfigError: ``preset`` is not an FSDP2 preset.
+    """
+    if isinstance(preset, dict) and is_fsdp2_preset(preset):
+        return copy.deepcopy(preset)
+    if not is_fsdp2_preset(preset):
+        raise ConfigError(
+            f"unknown FSDP2 preset {preset!r}{nearest(str(preset), FSDP2_PRESET_NAMES)}; "
+            f"valid: {', '.join(FSDP2_PRESET_NAMES)}"
+        )
+    return copy.deepcopy(FSDP2_PRESETS[preset])
+
+
+def refuse_fsdp2_where_not_wired(preset: str, recipe: str) -> None:
+    """Refuse an FSDP2 preset in a recipe whose training loop does not run FSDP2 yet, in one line naming the ZeRO
+    preset to use; the recipe's config, ``--describe`` and the tools accept the name all the same.
+
+    Raises:
+        ConfigError: ``preset`` is an FSDP2 preset.
+    """
+    if is_fsdp2_name(preset):
+        raise ConfigError(
+            f"preset={preset} runs on FSDP2, which the {recipe} recipe does not run yet (the cv and science recipes "
+            f"do): use preset={FSDP2_PRESETS[preset]['counterpart']}, its ZeRO counterpart"
+        )

@@ -14,6 +14,13 @@ Example::
     ds_config = resolve_deepspeed_config("nlp", facts)
     trainer = Trainer(accelerator="auto", devices=8, **lightning_trainer_kwargs(ds_config))
     plugin = accelerate_plugin(ds_config)        # Accelerator(deepspeed_plugin=plugin, ...)
+
+An FSDP2 preset (``fsdp2``, ``fsdp2_grad_op``: :data:`common.presets.FSDP2_PRESETS`) goes through the same calls:
+:func:`resolve_deepspeed_config` gives its run config (:func:`resolve_fsdp2_config`, the same batch,
+clipping and precision keys with an ``fsdp2`` section instead of ``zero_optimization``), and
+:func:`lightning_trainer_kwargs`, :func:`accelerator_kwargs` and :func:`shard_model` hand each front-end what FSDP2
+needs. This module is the one place that tells the two apart; :mod:`common.fsdp2` (which imports torch) is
+imported only when a run is FSDP2's.
 """
 
 from __future__ import annotations
@@ -29,7 +36,15 @@ from typing import Any
 from common.errors import ConfigError, nearest
 from common.memory_formulas import MIN_SWAPPED_BYTES, swap_threshold_bytes
 from common.nvme_storage import check_nvme_storage, nvme_sections
-from common.presets import FROM_LAYOUT, FROM_MODEL, get_preset
+from common.presets import (
+    FROM_LAYOUT,
+    FROM_MODEL,
+    get_fsdp2_preset,
+    get_preset,
+    is_fsdp2_name,
+    refuse_deepspeed_overrides,
+    refuse_zero_only_features,
+)
 from common.process_setup import setup_process
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -159,6 +174,51 @@ class RunFacts:
             gradient_clipping=cfg.gradient_clipping,
             nvme_path=cfg.nvme_path or None,
         )
+
+
+def resolve_fsdp2_config(
+    preset: str, facts: RunFacts | None = None, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The resolved run config of an FSDP2 preset: what the factory's adapters read, shaped like a DeepSpeed dict.
+
+    The batch, accumulation, clipping and precision keys have DeepSpeed's names and the values the ZeRO presets get
+    from the same run, so every reader of a resolved config (``precision_of``, the run files, the lint's batch
+    arithmetic) reads an FSDP2 run alike; the ``fsdp2`` section holds the sharding. No ``zero_optimization``:
+    DeepSpeed never sees this dict.
+
+    Args:
+        preset: an FSDP2 preset name (:data:`common.presets.FSDP2_PRESETS`).
+        facts: the run's world size, batch, accumulation, precision and clipping (the hidden size is not used:
+            FSDP2 has no buckets to scale).
+        overrides: DeepSpeed keys: refused (:func:`common.presets.refuse_deepspeed_overrides`).
+
+    Raises:
+        ConfigError: an unknown preset, fp16 (:func:`common.fsdp2.mixed_precision_policy`), an NVMe folder, an
+            override.
+    """
+    facts = facts or RunFacts()
+    spec = get_fsdp2_preset(preset)
+    refuse_deepspeed_overrides(preset, overrides or {})
+    refuse_zero_only_features(preset, {"nvme_path": facts.nvme_path})
+    precision = facts.precision or "bf16"
+    from common.fsdp2 import mixed_precision_policy  # imports torch: only for an FSDP2 run
+
+    mixed_precision_policy(precision)  # fp16: refused here, before any work
+    return {
+        "train_batch_size": facts.world_size * facts.micro_batch_size * facts.grad_accum,
+        "train_micro_batch_size_per_gpu": facts.micro_batch_size,
+        "gradient_accumulation_steps": facts.grad_accum,
+        "gradient_clipping": float(facts.gradient_clipping),
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": False},
+        "fsdp2": {
+            "preset": preset,
+            "counterpart": spec["counterpart"],
+            "reshard_after_forward": spec["reshard_after_forward"],
+            "sync_each_micro_batch": spec["sync_each_micro_batch"],
+            "world_size": facts.world_size,
+        },
+    }
 
 
 def bucket_elements(hidden_size: int | None) -> int:
@@ -375,6 +435,8 @@ def resolve_deepspeed_config(
         ConfigError: unknown preset or key, bad stage, fp16 where the preset forbids it, NVMe without a path, and
             (``facts.check_storage``) an NVMe folder that is missing, not writable or full, or no libaio.
     """
+    if is_fsdp2_name(preset):  # torch's FSDP2, not DeepSpeed: the same keys, an fsdp2 section
+        return resolve_fsdp2_config(preset, facts, overrides)
     facts = facts or RunFacts()
     spec = get_preset(preset) if isinstance(preset, str) else copy.deepcopy(preset)
     name = preset if isinstance(preset, str) else spec.get("name", "custom")
@@ -421,8 +483,16 @@ def torch_dtype(precision: str) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
+def is_fsdp2(config: dict[str, Any]) -> bool:
+    """Whether a resolved config is an FSDP2 preset's (:func:`resolve_fsdp2_config`), not DeepSpeed's."""
+    return "fsdp2" in config
+
+
 def zero_stage(ds_config: dict[str, Any]) -> int:
-    """The ZeRO stage of a resolved config."""
+    """The ZeRO stage of a resolved config; for an FSDP2 preset, that of the ZeRO preset it is measured against
+    (``fsdp2``: 3, ``fsdp2_grad_op``: 2)."""
+    if is_fsdp2(ds_config):
+        return int(get_preset(ds_config["fsdp2"]["counterpart"])["stage"])
     return int(ds_config["zero_optimization"]["stage"])
 
 
@@ -437,7 +507,7 @@ def precision_of(ds_config: dict[str, Any]) -> str:
 
 def offloads_optimizer(ds_config: dict[str, Any]) -> bool:
     """Whether the optimizer states live off the accelerator (CPU or NVMe)."""
-    offload = ds_config["zero_optimization"].get("offload_optimizer") or {}
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
     return offload.get("device", "none") in ("cpu", "nvme")
 
 
@@ -531,6 +601,14 @@ def lightning_trainer_kwargs(
     from common.lightning_cpu import ZeroDeepSpeedStrategy
 
     setup_process(ds_config, timeout, run_dir)  # process-wide; a second call in one process prints nothing
+    if is_fsdp2(ds_config):
+        from common.fsdp2 import lightning_fsdp2_trainer_kwargs
+
+        fsdp2 = ds_config["fsdp2"]
+        clip = ds_config["gradient_clipping"]
+        return lightning_fsdp2_trainer_kwargs(
+            fsdp2["world_size"], ds_config["gradient_accumulation_steps"], clip, timeout
+        )
     kwargs: dict[str, Any] = {"config": lightning_strategy_config(ds_config)}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -578,6 +656,11 @@ def accelerator_kwargs(
     from accelerate.utils import InitProcessGroupKwargs
 
     setup_process(ds_config, timeout, run_dir)  # process-wide; a second call in one process prints nothing
+    if is_fsdp2(ds_config):
+        from common.fsdp2 import accelerator_fsdp2_kwargs
+
+        grad_accum = ds_config["gradient_accumulation_steps"]
+        return accelerator_fsdp2_kwargs(ds_config["fsdp2"], precision_of(ds_config), grad_accum, timeout)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     pg_kwargs = {"backend": backend}
     if timeout is not None:
@@ -588,6 +671,92 @@ def accelerator_kwargs(
         "gradient_accumulation_steps": ds_config["gradient_accumulation_steps"],
         "kwargs_handlers": [InitProcessGroupKwargs(**pg_kwargs)],
     }
+
+
+def shard_model(model: Any, ds_config: dict[str, Any], mesh: Any = None, layer_classes: Any = None) -> Any:
+    """Shard ``model`` for the run, where the front-end leaves it to the script; return it.
+
+    Under a ZeRO preset DeepSpeed partitions the model inside ``deepspeed.initialize`` (Lightning's strategy and
+    Accelerate's ``prepare`` call it): nothing to do here. Under an FSDP2 preset
+    :func:`common.fsdp2.apply_fully_shard` shards each block, then the root, with the preset's
+    ``reshard_after_forward`` and the precision contract's ``MixedPrecisionPolicy``: from the LightningModule's
+    ``configure_model`` (``mesh=self.device_mesh["data_parallel"]``), or before the optimizer is built under
+    Accelerate. Call it once the process group exists.
+
+    Args:
+        model: the module to shard, on the rank's device.
+        ds_config: the factory's resolved config.
+        mesh: the data-parallel device mesh (Lightning's); None: every rank.
+        layer_classes: the block classes (default: :func:`common.activation.find_blocks`'s).
+    """
+    if is_fsdp2(ds_config):
+        from common.fsdp2 import apply_fully_shard
+
+        apply_fully_shard(model, ds_config["fsdp2"], precision_of(ds_config), layer_classes, mesh)
+    return model
+
+
+@dataclass
+class AccelerateCheckpointIO:
+    """How an Accelerate loop saves and loads its training state, whichever engine the preset picks.
+
+    Under a ZeRO preset: ``accelerator.save_state`` / ``load_state`` (DeepSpeed's shards, the schedulers registered
+    with ``register_for_checkpointing``, the RNG states). Under an FSDP2 preset: ``torch.distributed.checkpoint``
+    (:func:`common.fsdp2.dcp_write`, :func:`common.fsdp2.load_checkpoint`): every rank's shards of the model and the
+    optimizer, and the scheduler's state, loadable at any world size. Accelerate's own ``save_state`` writes FSDP2
+    shards only in its FSDP mode, which Accelerate 1.15 turns on for accelerators alone: on a CPU it would save rank
+    0's shards as if they were the whole model.
+
+    Attributes:
+        accelerator: the run's ``Accelerator``.
+        ds_config: the factory's resolved config.
+        model, optimizer: as ``accelerator.prepare`` returned them.
+        scheduler: the learning-rate scheduler (registered for checkpointing under ZeRO).
+    """
+
+    accelerator: Any
+    ds_config: dict[str, Any]
+    model: Any
+    optimizer: Any
+    scheduler: Any
+
+    def save(self, folder: Path) -> Any:
+        """Every rank: write the training state into ``folder`` (the call :class:`~common.async_checkpoint.Checkpointer`
+        makes)."""
+        if not is_fsdp2(self.ds_config):
+            return self.accelerator.save_state(str(folder))
+        from common.fsdp2 import dcp_write
+
+        extra = {"scheduler": self.scheduler.state_dict()}
+        return dcp_write(self.model, _torch_optimizer(self.optimizer), extra)(folder)
+
+    def barrier(self) -> None:
+        """Every rank waits for the others (the checkpointer's barrier). Under FSDP2 on a CPU, Accelerate 1.15 runs in
+        its distributed type ``NO`` (its FSDP mode is for accelerators), where ``wait_for_everyone`` returns at once:
+        the process group's own barrier then."""
+        import torch.distributed as dist
+
+        if is_fsdp2(self.ds_config) and dist.is_initialized():
+            dist.barrier()
+        else:
+            self.accelerator.wait_for_everyone()
+
+    def load(self, folder: Path) -> None:
+        """Every rank: load the training state saved in ``folder``, re-sharded for this world size under FSDP2."""
+        if not is_fsdp2(self.ds_config):
+            self.accelerator.load_state(str(folder))
+            return
+        from common.fsdp2 import load_checkpoint
+
+        extra = load_checkpoint(folder, self.model, _torch_optimizer(self.optimizer))
+        self.scheduler.load_state_dict(extra["scheduler"])
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer``."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def accelerate_config(
@@ -608,6 +777,23 @@ def accelerate_config(
             "deepspeed_multinode_launcher": "standard",
         },
         **accelerate_launch_fields(num_processes, num_machines, main_process_port, use_cpu),
+    }
+
+
+def accelerate_fsdp2_config(
+    preset: str | dict[str, Any], num_processes: int, num_machines: int = 1, main_process_port: int = 29500
+) -> dict[str, Any]:
+    """The accelerate config YAML (as a dict) that launches a script under FSDP2."""
+    spec = get_fsdp2_preset(preset)
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "FSDP",
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": spec["reshard_after_forward"],
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        },
+        **accelerate_launch_fields(num_processes, num_machines, main_process_port, use_cpu=False),
     }
 
 
@@ -664,15 +850,20 @@ def write_accelerate_files(
         except ValueError:
             return str(path.resolve())
 
-    yaml_dict = accelerate_config(
-        shown(json_path), num_processes, num_machines, zero3_init=zero_stage(ds_config) == 3, use_cpu=use_cpu
-    )
+    if is_fsdp2(ds_config):  # Accelerate's FSDP plugin at version 2; the JSON holds the run config, for reading
+        yaml_dict = accelerate_fsdp2_config(ds_config["fsdp2"], num_processes, num_machines)
+    else:
+        yaml_dict = accelerate_config(
+            shown(json_path), num_processes, num_machines, zero3_init=zero_stage(ds_config) == 3, use_cpu=use_cpu
+        )
+    engine = "FSDP2" if is_fsdp2(ds_config) else "DeepSpeed"
+    json_role = "run config (for reading: this file sets FSDP2)" if is_fsdp2(ds_config) else "DeepSpeed config it names"
     header = [
-        "# Launches a training script under DeepSpeed with Accelerate:",
+        f"# Launches a training script under {engine} with Accelerate:",
         "#",
         f"#   accelerate launch --config_file {shown(yaml_path)} {script or 'YOUR_SCRIPT.py'}",
         "#",
-        f"# {json_name} beside this file is the DeepSpeed config it names, the factory's resolved dict, written by:",
+        f"# {json_name} beside this file is the {json_role}, the factory's resolved dict, written by:",
         f"#   {regenerate or 'zero-recipes config PRESET --world-size N ... --format accelerate --out DIR'}",
     ]
     if script:

@@ -5,8 +5,8 @@ it into a :class:`LintView` (the DeepSpeed dict, the recipe config dict or None,
 installed versions and whatever is known of the model), and runs every rule of :data:`RULES` on it.
 A rule is a small pure function ``(view) -> list[Finding]``; tests build views directly. The rules live in one
 module per topic (:mod:`common.lint.memory`, ``precision``, ``offload``, ``parallel``, ``checkpoints``,
-``versions``, ``frontends``, ``network``), each with its own ``RULES`` dict; :data:`RULES` here joins them (a new
-topic module is one more line there).
+``versions``, ``frontends``, ``network``, ``peer``), each with its own ``RULES`` dict; :data:`RULES` here joins them
+(a new topic module is one more line there).
 
 Severities: ``error`` (the run fails or silently does the wrong thing; exit code 1), ``warning``
 (costs memory, speed or accuracy; fix it or know why not), ``info`` (worth knowing, nothing to fix:
@@ -29,7 +29,7 @@ import sys
 from typing import Any, TextIO
 
 from common.errors import ConfigError
-from common.lint import checkpoints, frontends, memory, network, offload, parallel, precision, versions
+from common.lint import checkpoints, frontends, memory, network, offload, parallel, peer, precision, versions
 from common.lint.view import BACKENDS, SEVERITIES, SEVERITY_ORDER, SOURCE_KINDS, Finding, LintView, Rule
 from common.machine import available_host_ram, local_device_memory
 
@@ -63,11 +63,27 @@ RULES: dict[str, Rule] = {
     **parallel.RULES,
     **versions.RULES,
     **network.RULES,
+    **peer.RULES,
 }
+
+
+def fsdp2_run(view: LintView) -> list[Finding]:
+    """The one finding for an FSDP2 preset's config: the rules here read DeepSpeed's settings, which it has none of."""
+    return [
+        Finding(
+            "fsdp2-preset",
+            "info",
+            f"preset {view.ds_config['fsdp2']['preset']} runs on torch's FSDP2, not DeepSpeed: the ZeRO rules do not "
+            "apply, and FSDP2's own checks are not written yet",
+            f"to have the ZeRO rules check the run, use preset={view.ds_config['fsdp2']['counterpart']}",
+        )
+    ]
 
 
 def run_rules(view: LintView, rules: dict[str, Rule] | None = None) -> list[Finding]:
     """Every rule on ``view``, findings sorted errors first."""
+    if view.ds_config and "fsdp2" in view.ds_config:  # an FSDP2 run config (common.fsdp2), no DeepSpeed keys
+        return fsdp2_run(view)
     findings: list[Finding] = []
     for rule in (rules or RULES).values():
         findings += rule(view)

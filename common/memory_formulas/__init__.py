@@ -7,7 +7,8 @@ rules (:mod:`common.lint`) check configs with them, and a recipe's ``--describe`
 
 One module per topic: :mod:`~common.memory_formulas.model_facts` (what a model is), ``model_states`` (parameters,
 gradients and optimizer states per rank), ``activations``, ``offload`` (bytes moved per step and their time) and
-``units`` (parsing and formatting sizes). Every public name is importable from this package.
+``units`` (parsing and formatting sizes); ``fsdp2`` holds the same terms for the FSDP2 presets. Every public
+name is importable from this package.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ from common.memory_formulas.activations import (
     kv_heads_per_rank,
     pipeline_activations,
     transformer_activations,
+)
+from common.memory_formulas.fsdp2 import (
+    FSDP2_SHARDED_BYTES,
+    Fsdp2Memory,
+    Fsdp2Units,
+    fsdp2_memory,
+    fsdp2_units,
 )
 from common.memory_formulas.model_facts import (
     ASSUMED_ASPECT,
@@ -75,6 +83,11 @@ from common.memory_formulas.units import (
 )
 
 __all__ = [
+    "FSDP2_SHARDED_BYTES",
+    "Fsdp2Memory",
+    "Fsdp2Units",
+    "fsdp2_memory",
+    "fsdp2_units",
     "ADAM_STATE_BYTES",
     "ASSUMED_ASPECT",
     "ASSUMED_HEAD_DIM",

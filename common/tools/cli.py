@@ -19,7 +19,7 @@ from pathlib import Path
 
 from common.config import parse_overrides
 from common.errors import USAGE_EXIT_CODE, ConfigError, exit_on_user_error
-from common.presets import PRESETS
+from common.presets import FSDP2_PRESETS, PRESETS
 from common.rundir import refuse_file_as_out_dir
 from common.strategy import PRECISIONS, RunFacts, resolve_deepspeed_config, write_accelerate_files
 from common.tools import copy_recipe, doctor, export, lint, memory, probe
@@ -37,10 +37,12 @@ class _Parser(argparse.ArgumentParser):
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """Print presets and recipes with their one-line why (the recipes need the source checkout)."""
-    width = max(len(name) for name in PRESETS)
+    width = max(len(name) for name in [*PRESETS, *FSDP2_PRESETS])
     print("presets (zero-recipes config PRESET):")
     for name, spec in PRESETS.items():
         print(f"  {name:<{width}}  stage {spec['stage']}  {spec['why']}")
+    for name, spec in FSDP2_PRESETS.items():  # torch's FSDP2: the peer each is measured against
+        print(f"  {name:<{width}}  FSDP2    {spec['why']}")
     sys.stdout.flush()  # the presets stay above the error line of an installation without recipes
     recipes = shipped_recipes()
     print("recipes (python recipes/NAME/train.py; NAME:ENTRY runs recipes/NAME/ENTRY.py):")

@@ -79,6 +79,7 @@ from common.memory_formulas import (
     deepspeed_estimate,
     facts_from_hf_config,
     fmt_gb,
+    fsdp2_memory,
     link_seconds_range,
     lora_params,
     offload_traffic,
@@ -96,7 +97,7 @@ from common.parallel import (
     rank_partition,
     stage_refusal,
 )
-from common.presets import FROM_MODEL, get_preset
+from common.presets import FROM_MODEL, FSDP2_PRESET_NAMES, get_fsdp2_preset, get_preset
 from common.snapshot_memory import snapshot_bytes_per_node, snapshot_bytes_per_rank
 from common.strategy import bucket_elements, persistence_threshold
 from common.tools.estimate_network import (
@@ -242,13 +243,36 @@ class Row:
 
 
 @dataclass
+class Fsdp2Row:
+    """One FSDP2 preset beside its ZeRO counterpart (common.memory_formulas.fsdp2); bytes per rank.
+
+    ``model_states_bytes`` is the peak between forward and backward (gathered weights included), as the ZeRO rows'
+    column counts gradients alive; ``gathered_bytes`` is the part of it that is whole working copies.
+    """
+
+    preset: str
+    counterpart: str
+    model_states_bytes: float
+    model_states_after_step_bytes: float
+    gathered_bytes: float
+    buffers_bytes: float
+    total_bytes: float | None
+    total_checkpointed_bytes: float | None
+    fits: bool
+    fits_with: str | None
+    counterpart_model_states_bytes: float | None = None
+    counterpart_buffers_bytes: float | None = None
+
+
+@dataclass
 class Plan:
-    """Rows plus the inputs and the ladder's recommendation."""
+    """Rows plus the inputs and the ladder's recommendation; the FSDP2 rows stand beside the ladder, not in it."""
 
     model: ModelFacts
     inputs: PlanInputs
     rows: list[Row] = field(default_factory=list)
     recommendation: dict[str, Any] = field(default_factory=dict)
+    fsdp2_rows: list[Fsdp2Row] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` form: ``{"rows": [...], "model": ..., "inputs": ..., "recommendation": ...}``."""
@@ -260,6 +284,7 @@ class Plan:
         model.pop("param_numels")  # one number per parameter: too long to print, persistent_params is per row
         return {
             "rows": [asdict(r) for r in self.rows],
+            "fsdp2_rows": [asdict(r) for r in self.fsdp2_rows],
             "model": model,
             "inputs": inputs,
             "usable_fraction": USABLE_FRACTION,
@@ -410,9 +435,52 @@ def plan(facts: ModelFacts, inputs: PlanInputs) -> Plan:
         if host_ok and refusal is None:
             row.longest_seq_len = longest_sequence(facts, inputs, base, sp)
             row.longest_seq_len_without_sp = longest_sequence(facts, inputs, base, 1) if sp > 1 else row.longest_seq_len
+    result.fsdp2_rows = fsdp2_rows(facts, inputs, result.rows, act_none, act_ckpt)
     result.recommendation = recommend(result)
     result.recommendation = network_recommendation(result, recommend, plan, _rung_name)
     return result
+
+
+def fsdp2_rows(
+    facts: ModelFacts, inputs: PlanInputs, zero_rows: list[Row], act_none: float | None, act_ckpt: float | None
+) -> list[Fsdp2Row]:
+    """The FSDP2 presets' rows, each beside its ZeRO counterpart's, for plain data parallelism without offload
+    or LoRA (what the FSDP2 presets run); none otherwise. Activations are the ZeRO rows' (the same model and batch).
+    """
+    if not inputs.layout.trivial or inputs.lora_rank or inputs.offload not in (None, "none"):
+        return []
+    usable = USABLE_FRACTION * inputs.device_memory_bytes
+    zero = {r.preset: r for r in zero_rows if r.offload == "none"}
+    rows = []
+    for name in FSDP2_PRESET_NAMES:
+        spec = get_fsdp2_preset(name)
+        memory = fsdp2_memory(facts, inputs.world_size, inputs.precision, spec["reshard_after_forward"])
+        base = memory.model_states + memory.buffers
+        total = None if act_none is None else base + act_none
+        total_ckpt = None if act_ckpt is None else base + act_ckpt
+        if total is None:
+            fits_with = "unknown activations" if base <= usable else None
+        else:
+            ac = inputs.activation_checkpointing
+            fits_with = "none" if total <= usable else (ac if total_ckpt is not None and total_ckpt <= usable else None)
+        counterpart = zero.get(spec["counterpart"])
+        rows.append(
+            Fsdp2Row(
+                preset=name,
+                counterpart=spec["counterpart"],
+                model_states_bytes=memory.model_states,
+                model_states_after_step_bytes=memory.model_states_after_step,
+                gathered_bytes=memory.gathered,
+                buffers_bytes=memory.buffers,
+                total_bytes=total,
+                total_checkpointed_bytes=total_ckpt,
+                fits=fits_with is not None,
+                fits_with=fits_with,
+                counterpart_model_states_bytes=counterpart.model_states_bytes if counterpart else None,
+                counterpart_buffers_bytes=counterpart.buffers_bytes if counterpart else None,
+            )
+        )
+    return rows
 
 
 def recommend(result: Plan, accept: Callable[[Row], bool] | None = None) -> dict[str, Any]:
@@ -569,6 +637,7 @@ def format_plan(result: Plan) -> str:
             + fits
         )
     rec = result.recommendation
+    lines += _fsdp2_lines(result)
     lines += [
         "",
         "guide states: ZeRO's formula per rank, gradients alive — 16K / 4K+12K/N / 2K+14K/N / 16K/N (+ whole copies",
@@ -603,6 +672,40 @@ def format_plan(result: Plan) -> str:
     )
     lines += textwrap.wrap(recommended, width=len(header), subsequent_indent="  ", break_on_hyphens=False)
     return "\n".join(lines)
+
+
+def _fsdp2_lines(result: Plan) -> list[str]:
+    """The FSDP2 presets beside their ZeRO counterparts (not on the ladder: the recommendation is ZeRO's)."""
+    if not result.fsdp2_rows:
+        return []
+    ac = result.inputs.activation_checkpointing
+    header = (
+        f"{'FSDP2 preset':<14}  {'states':>10}  {'after step':>10}  {'gathered':>10}  {'buffers <=':>10}  "
+        f"{'total':>10}  {'total ' + ac:>16}  {'ZeRO counterpart: states + buffers':<40}  fits"
+    )
+    lines = ["", header, "-" * len(header)]
+    for r in result.fsdp2_rows:
+        zero = "-"
+        if r.counterpart_model_states_bytes is not None:
+            zero_bytes = f"{fmt_gb(r.counterpart_model_states_bytes)} + {fmt_gb(r.counterpart_buffers_bytes)}"
+            zero = f"{r.counterpart}: {zero_bytes}"
+        fits = "does not fit"
+        if r.fits:
+            fits = {"none": "fits", "unknown activations": "fits (before activations)"}.get(
+                r.fits_with or "", f"fits with {r.fits_with}"
+            )
+        lines.append(
+            f"{r.preset:<14}  {fmt_gb(r.model_states_bytes):>10}  {fmt_gb(r.model_states_after_step_bytes):>10}  "
+            f"{fmt_gb(r.gathered_bytes):>10}  {fmt_gb(r.buffers_bytes):>10}  {fmt_gb(r.total_bytes):>10}  "
+            f"{fmt_gb(r.total_checkpointed_bytes):>16}  {zero:<40}  {fits}"
+        )
+    text = (
+        "FSDP2 (torch's fully_shard, the fsdp2 presets): 16K/N sharded at any precision (fp32 parameters are the "
+        "master weights, fp32 gradients, Adam's moments) + gathered working copies held from forward to backward "
+        "(fsdp2: the root unit's; fsdp2_grad_op: the whole model's). buffers <=: the next block's all-gather "
+        "(fsdp2) and one unit's reduce-scatter in fp32. after step: gradients freed."
+    )
+    return lines + textwrap.wrap(text, width=110, subsequent_indent="  ")
 
 
 def _async_lines(result: Plan) -> list[str]:

@@ -45,7 +45,7 @@ from common.errors import ConfigError, nearest
 from common.machine import local_device_memory
 from common.memory_formulas import GUIDE_BANDWIDTH_GBPS, parse_bandwidths
 from common.parallel import check_sequence_parallel
-from common.presets import PRESET_NAMES, get_preset
+from common.presets import ALL_PRESET_NAMES, FSDP2_PRESETS, get_preset, is_fsdp2_name
 from common.rundir import free_port
 from common.strategy import write_accelerate_files
 from common.tools.comms_log import comms_log_env
@@ -93,10 +93,9 @@ def parse_candidates(text: str | None, ac_text: str | None) -> list[Candidate]:
     presets = [p.strip() for p in (text or ",".join(DEFAULT_CANDIDATES)).split(",") if p.strip()]
     acs = [a.strip() for a in (ac_text or "none").split(",") if a.strip()]
     for preset in presets:
-        if preset not in PRESET_NAMES:
-            raise ConfigError(
-                f"unknown candidate {preset!r}{nearest(preset, PRESET_NAMES)}; presets: {', '.join(PRESET_NAMES)}"
-            )
+        if preset not in ALL_PRESET_NAMES:  # ZeRO presets and their FSDP2 peers, measured side by side
+            known = ", ".join(ALL_PRESET_NAMES)
+            raise ConfigError(f"unknown candidate {preset!r}{nearest(preset, ALL_PRESET_NAMES)}; presets: {known}")
     for ac in acs:
         check_preset(ac)
     if not presets or not acs:
@@ -104,8 +103,11 @@ def parse_candidates(text: str | None, ac_text: str | None) -> list[Candidate]:
     return [Candidate(p, a) for p in dict.fromkeys(presets) for a in dict.fromkeys(acs)]
 
 
-def preset_offload(preset: str) -> tuple[int, str]:
-    """(ZeRO stage, ``none`` / ``optimizer`` / ``params`` / ``nvme``) of a preset: the planner's offload rows."""
+def preset_offload(preset: str) -> tuple[int | None, str]:
+    """(ZeRO stage, ``none`` / ``optimizer`` / ``params`` / ``nvme``) of a preset: the planner's offload rows. An
+    FSDP2 preset has no ZeRO stage (None) and offloads nothing."""
+    if is_fsdp2_name(preset):
+        return None, "none"
     spec = get_preset(preset)
     zero = spec.get("zero_optimization", {})
     param = zero.get("offload_param") or {}
@@ -285,7 +287,7 @@ def measure(candidate: Candidate, out_dir: Path, code: int, log_text: str, comma
     row.wall_time_s = summary.get("wall_time_s")
     row.world_size = summary.get("world_size")
     row.memory_kind = summary.get("memory_kind")
-    row.zero_stage = summary.get("zero_stage", stage)
+    row.zero_stage = None if is_fsdp2_name(candidate.preset) else summary.get("zero_stage", stage)
     row.step_time_s = summary.get("median_step_s")
     return row
 
@@ -302,14 +304,34 @@ def recommend(rows: list[ProbeRow], device_memory_bytes: float | None) -> dict[s
     - Stage 2 failed: the fastest stage 3 row; failing that the offload rows, optimizer offload first.
     - Stage 2 not measured: the lowest stage that ran (the ladder is climbed from the bottom).
     Among rows of one rung (several presets or checkpointing presets) the fastest wins.
+
+    FSDP2 candidates are not on the ladder: each is compared with its ZeRO counterpart when both ran (``peers``);
+    one is chosen only when no ZeRO candidate ran.
     """
+    peers = peer_comparisons(rows)
+    peer_text = "".join(f"; {p['text']}" for p in peers)
+    fsdp2_ok = [r for r in rows if r.ok and is_fsdp2_name(r.preset)]
+    rows = [r for r in rows if not is_fsdp2_name(r.preset)]
     ok = [r for r in rows if r.ok]
+    if not ok and fsdp2_ok:
+        chosen = fastest(fsdp2_ok)
+        return {
+            "candidate": chosen.candidate,
+            "preset": chosen.preset,
+            "activation_checkpointing": chosen.activation_checkpointing,
+            "zero_stage": None,
+            "offload": "none",
+            "network_suspect": False,
+            "reason": f"no ZeRO candidate ran; {chosen.candidate} is the fastest FSDP2 one ({fmt_peak(chosen)} peak)",
+            "peers": peers,
+        }
     if not ok:
         return {
             "candidate": None,
             "network_suspect": False,
             "reason": "no candidate ran: see each row's error; try activation checkpointing (--activation-"
             "checkpointing full), a smaller micro batch, or the offload presets",
+            "peers": peers,
         }
     on_device = [r for r in ok if r.offload == "none"]
     by_stage = {s: [r for r in on_device if r.zero_stage == s] for s in range(4)}
@@ -378,8 +400,35 @@ def recommend(rows: list[ProbeRow], device_memory_bytes: float | None) -> dict[s
         "zero_stage": chosen.zero_stage,
         "offload": chosen.offload,
         "network_suspect": network_suspect,
-        "reason": reason,
+        "reason": reason + peer_text,
+        "peers": peers,
     }
+
+
+def peer_comparisons(rows: list[ProbeRow]) -> list[dict[str, Any]]:
+    """Each FSDP2 candidate that ran beside its ZeRO counterpart (same checkpointing) when that ran too: throughput
+    and peak memory as ZeRO / FSDP2, measured in this probe."""
+    ran = {(r.preset, r.activation_checkpointing): r for r in rows if r.ok}
+    peers = []
+    for (preset, ac), fsdp2 in ran.items():
+        if not is_fsdp2_name(preset):
+            continue
+        zero = ran.get((FSDP2_PRESETS[preset]["counterpart"], ac))
+        if zero is None or not (fsdp2.throughput and fsdp2.peak_memory_bytes and zero.peak_memory_bytes):
+            continue
+        speed = (zero.throughput or 0.0) / fsdp2.throughput
+        memory = zero.peak_memory_bytes / fsdp2.peak_memory_bytes
+        peers.append(
+            {
+                "fsdp2": fsdp2.candidate,
+                "zero": zero.candidate,
+                "throughput_ratio": speed,
+                "peak_memory_ratio": memory,
+                "text": f"{zero.candidate} ran at {speed:.2f}x {fsdp2.candidate}'s throughput with {memory:.2f}x its "
+                "peak memory (measured here)",
+            }
+        )
+    return peers
 
 
 def _offload_choice(ok: list[ProbeRow]) -> ProbeRow:

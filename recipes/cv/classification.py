@@ -337,13 +337,14 @@ def finish(
     backend: str,
     steps: int,
     start_step: int,
+    optimizer: Any = None,
 ) -> CVSummary | None:
     """After training, on every rank: final evaluation, memory figures, whole weights (collective); then rank 0
     writes ``final/`` and ``confusion_matrix.png`` and returns the summary (None on the other ranks)."""
     out_dir = Path(cfg.out_dir)
     result = evaluate(model, data, cfg, rank, world_size, device)
     metrics.log(steps, val_loss=result.val_loss, val_accuracy=result.val_accuracy, elapsed_s=clock.wall())
-    state_bytes = model_state_bytes(engine)  # after the last step: ZeRO has released the gradients
+    state_bytes = model_state_bytes(engine, optimizer)  # after the last step: ZeRO has released the gradients
     pixels, logits = export_logits(model, data, device)
     weights = gather_full_state_dict(model, rank)  # collective (a gather per parameter under ZeRO-3)
     peak = int(all_reduce(torch.tensor(float(peak_memory_bytes()), device=device), "max").item())

@@ -67,7 +67,7 @@ from common.rundir import (
     set_cpu_threads,
     write_json_atomic,
 )
-from common.strategy import lightning_trainer_kwargs, make_optimizer
+from common.strategy import lightning_trainer_kwargs, make_optimizer, shard_model
 from cv.data import DataError, ImageData
 from cv.model import ModelError
 
@@ -104,10 +104,15 @@ class ImageClassifier(L.LightningModule):
     def on_fit_start(self) -> None:
         self.metrics = MetricsLog(self.cfg.out_dir, enabled=self.global_rank == 0)
 
+    def configure_model(self) -> None:
+        """FSDP2 presets: each block, then the root, sharded over the data-parallel ranks (ZeRO: DeepSpeed's own)."""
+        mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None
+        shard_model(self.model, self.ds_config, mesh)
+
     def on_train_start(self) -> None:
         cfg, strategy = self.cfg, self.trainer.strategy
         self.checkpointer = make_checkpointer(cfg, self.global_rank, self.trainer.world_size, strategy.barrier)
-        self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
+        self.checkpointer.install(strategy.model)  # async_save: the backend's checkpoint files go through it
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         rank, world_size = self.global_rank, self.trainer.world_size
@@ -143,7 +148,7 @@ class ImageClassifier(L.LightningModule):
         self.micro_losses.clear()
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             losses = all_reduce(torch.stack(self.step_losses)) / self.trainer.world_size
-            last_norm = grad_norm(self.trainer.strategy.deepspeed_engine)  # this step's, before clipping
+            last_norm = grad_norm(self.trainer.strategy.model)  # this step's, before clipping
             for offset, loss in enumerate(losses.tolist()):  # one record per optimizer step
                 at = step - len(losses) + 1 + offset
                 norm = {"grad_norm": last_norm} if at == step else {}  # DeepSpeed keeps the last step's only
@@ -179,6 +184,7 @@ class ImageClassifier(L.LightningModule):
             backend="lightning",
             steps=self.trainer.global_step,
             start_step=self.start_step,
+            optimizer=self.trainer.optimizers[0],
         )
 
 

@@ -48,7 +48,7 @@ from common.metrics import Clock, all_reduce, grad_norm
 from common.process_setup import setup_process
 from common.resume import find_resume_point, mark_universal, param_groups_kept, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
-from common.strategy import accelerator_kwargs, make_optimizer
+from common.strategy import AccelerateCheckpointIO, accelerator_kwargs, make_optimizer, shard_model
 from cv.data import DataError
 from cv.model import ModelError
 
@@ -81,6 +81,7 @@ def main() -> None:
             prepare_resume(resume, config_to_dict(cfg))
     accelerator.wait_for_everyone()
 
+    shard_model(model, ds_config)  # FSDP2 presets: each block, then the root (ZeRO: DeepSpeed's, in prepare)
     optimizer = make_optimizer(
         param_groups(model, cfg.weight_decay), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999)
     )
@@ -90,13 +91,14 @@ def main() -> None:
     accelerator.register_for_checkpointing(scheduler)
     # The DataLoader is not prepared either: StepSampler already gives each rank its slice (exact on resume).
     engine, optimizer = accelerator.prepare(model, optimizer)
+    state = AccelerateCheckpointIO(accelerator, ds_config, engine, optimizer, scheduler)  # save_state, or DCP
     if resume is not None:
         with param_groups_kept(optimizer):  # DeepSpeed's ZeRO-3 universal load flattens the groups' settings
-            accelerator.load_state(str(resume.load_path))  # DeepSpeed shards and optimizer, the scheduler
+            state.load(resume.load_path)  # the model's and optimizer's shards, the scheduler
     loader = train_loader(data, cfg, rank, world_size, start_step)
     net = accelerator.unwrap_model(engine)
-    checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
-    checkpointer.install(engine)  # async_save: DeepSpeed's files go through it
+    checkpointer = make_checkpointer(cfg, rank, world_size, state.barrier)
+    checkpointer.install(engine)  # async_save: the backend's checkpoint files go through it
 
     metrics = MetricsLog(out_dir, enabled=accelerator.is_main_process)
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not accelerator.is_main_process)
@@ -109,6 +111,8 @@ def main() -> None:
         with accelerator.accumulate(engine):
             loss = classification_loss(engine, pixels, labels, cfg.label_smoothing)  # bf16 pixels, fp32 loss
             accelerator.backward(loss)  # under DeepSpeed: backward, and the engine's step at the boundary
+            if accelerator.sync_gradients and cfg.gradient_clipping:  # DeepSpeed clips in its step; FSDP2 here
+                accelerator.clip_grad_norm_(engine.parameters(), cfg.gradient_clipping)
             optimizer.step()
             optimizer.zero_grad()
         micro_losses.append(loss.detach())
@@ -135,7 +139,7 @@ def main() -> None:
             bar.write(f"step {step}: val_accuracy {result.val_accuracy:.4f} ({clock.wall():.0f} s)")
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
-            checkpointer.save(step, lambda folder: accelerator.save_state(str(folder)))
+            checkpointer.save(step, state.save)
             metrics.log(step, checkpoint_blocked_s=checkpointer.blocked_s[-1])
         clock.skip()
     bar.close()
@@ -155,6 +159,7 @@ def main() -> None:
         backend="accelerate",
         steps=step,
         start_step=start_step,
+        optimizer=optimizer,
     )
     if summary is not None:  # rank 0
         write_json_atomic(out_dir / "summary.json", summary.to_json())

@@ -66,6 +66,7 @@ from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
 from common.metrics import Clock, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
+from common.presets import refuse_fsdp2_where_not_wired
 from common.process_setup import setup_process
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads
 from common.strategy import accelerator_kwargs, make_optimizer, zero_stage
@@ -107,6 +108,7 @@ def main() -> None:
     data = load_sft_data(cfg, tokenizer)
     module_names = base_module_names(cfg, config)
     attention = resolve_attention_or_exit(cfg, "cuda" if on_gpu else "cpu")
+    refuse_fsdp2_where_not_wired(cfg.preset, "finetune")
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
     check_sequence_parallel(cfg, world_size, config, attention)
     # Known ZeRO pitfalls (common.lint), checked before any work (printed on rank 0; errors refuse the run).

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from common.checkpoint import check_retention
 from common.errors import ConfigError, nearest
-from common.presets import PRESET_NAMES
+from common.presets import check_preset_name, is_fsdp2_name, refuse_zero_only_features
 from common.strategy import PRECISIONS
 from nlp.data import STDLIB
 from nlp.family import MODEL_SIZES, SHAPE_KEYS, ModelFamily, model_family, shape_overrides
@@ -116,8 +116,9 @@ class NLPConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.preset not in PRESET_NAMES:
-            raise ConfigError(f"unknown preset {self.preset!r}{nearest(self.preset, PRESET_NAMES)}")
+        check_preset_name(self.preset)  # a ZeRO or an FSDP2 preset; the nearest named
+        if is_fsdp2_name(self.preset):  # what only DeepSpeed runs: refused before any work, naming its ZeRO preset
+            refuse_zero_only_features(self.preset, vars(self))
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"

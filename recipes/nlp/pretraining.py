@@ -38,6 +38,7 @@ from common.parallel import (
     ParallelLayout,
     gather_tensor_parallel_state_dict,
 )
+from common.presets import refuse_fsdp2_where_not_wired
 from common.rundir import env_info, read_metrics, wait_for_rank0_file, write_json_atomic, write_text_atomic
 from common.sequence_parallel import SequenceParallel
 from common.strategy import RunFacts, cosine_with_warmup, precision_of, resolve_deepspeed_config, zero_stage
@@ -169,6 +170,7 @@ def deepspeed_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[
 
 def resolve_ds_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[str, Any]:
     """The run's DeepSpeed dict, checked for known pitfalls (lint rules) before any work (errors refuse the run)."""
+    refuse_fsdp2_where_not_wired(cfg.preset, "nlp")
     ds_config = deepspeed_config(cfg, world_size, hidden_size)
     lint_at_start(ds_config, config_to_dict(cfg), hidden_size=hidden_size, world_size=world_size)
     return ds_config

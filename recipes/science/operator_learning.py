@@ -364,6 +364,7 @@ def finish(
     backend: str,
     steps: int,
     start_step: int,
+    optimizer: Any = None,
 ) -> ScienceSummary | None:
     """After training, on every rank: the final error (also at the finer grid), whole weights (collective); then
     rank 0 writes the figures and ``final/`` and returns the summary (None on the other ranks)."""
@@ -376,7 +377,7 @@ def finish(
         fine_x, fine_y = superres.x_test.to(x_test.device), superres.y_test.to(x_test.device)
         fine_error = evaluate(net, fine_x, fine_y, rank, world_size)
         metrics.log(steps, val_rel_l2_superres=fine_error)
-    state_bytes = model_state_bytes(engine)  # after the last step: ZeRO has released the gradients
+    state_bytes = model_state_bytes(engine, optimizer)  # after the last step: ZeRO has released the gradients
     weights = gather_full_state_dict(net, rank)  # collective (a gather per parameter under ZeRO-3)
     # Every forward below runs on every rank, even though only rank 0 writes the results: under ZeRO-3 a
     # forward all-gathers each layer's weights, a collective that hangs or fails if rank 0 runs it alone.
@@ -405,7 +406,7 @@ def finish(
         wall_time_s=round(clock.wall(), 2),
         preset=cfg.preset,
         zero_stage=zero_stage(ds_config),
-        round_robin_gradients=bool(ds_config["zero_optimization"].get("round_robin_gradients", False)),
+        round_robin_gradients=bool(ds_config.get("zero_optimization", {}).get("round_robin_gradients", False)),
         world_size=world_size,
         precision=precision_of(ds_config),
         param_dtype=param_dtype,

@@ -12,7 +12,7 @@ from pathlib import Path
 from common.activation import check_preset
 from common.checkpoint import check_retention
 from common.errors import ConfigError, nearest
-from common.presets import PRESET_NAMES
+from common.presets import check_preset_name, is_fsdp2_name, refuse_zero_only_features
 from common.strategy import RunFacts, resolve_deepspeed_config
 from science.burgers import PAPER_TEXT, PUBLIC_GENERATOR
 from science.fno import min_grid_size
@@ -126,8 +126,9 @@ class ScienceConfig:
         if self.precision not in PRECISIONS:
             hint = nearest(self.precision, PRECISIONS)
             raise ConfigError(f"precision must be bf16 or fp32, got {self.precision!r}{hint}")
-        if self.preset not in PRESET_NAMES:
-            raise ConfigError(f"unknown preset {self.preset!r}{nearest(self.preset, PRESET_NAMES)}")
+        check_preset_name(self.preset)  # a ZeRO or an FSDP2 preset; the nearest named
+        if is_fsdp2_name(self.preset):  # what only DeepSpeed runs: refused before any work, naming its ZeRO preset
+            refuse_zero_only_features(self.preset, vars(self))
         check_preset(self.activation_checkpointing)
         if self.activation_checkpointing == "selective":
             raise ConfigError("activation_checkpointing=selective needs attention layers; the FNO has none (use full)")

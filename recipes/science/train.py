@@ -64,7 +64,7 @@ from common.rundir import (
     set_cpu_threads,
     write_json_atomic,
 )
-from common.strategy import lightning_trainer_kwargs, make_optimizer
+from common.strategy import lightning_trainer_kwargs, make_optimizer, shard_model
 from science.burgers import DataError
 from science.fno import relative_l2
 
@@ -76,10 +76,17 @@ class OperatorLearning(L.LightningModule):
     """
 
     def __init__(
-        self, cfg: ScienceConfig, data: Pairs, superres: Pairs | None, out_dir: Path, start_step: int, clock: Clock
+        self,
+        cfg: ScienceConfig,
+        ds_config: dict,
+        data: Pairs,
+        superres: Pairs | None,
+        out_dir: Path,
+        start_step: int,
+        clock: Clock,
     ) -> None:
         super().__init__()
-        self.cfg, self.out_dir, self.start_step, self.clock = cfg, out_dir, start_step, clock
+        self.cfg, self.ds_config, self.out_dir, self.start_step, self.clock = cfg, ds_config, out_dir, start_step, clock
         self.net = build_model(cfg, data.scaling())
         mark_universal(self)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
         # Plain attributes, not buffers: DeepSpeed casts buffers to bf16, and the data must stay fp32.
@@ -97,10 +104,15 @@ class OperatorLearning(L.LightningModule):
         self.data = self.data.to(self.device)
         self.metrics = MetricsLog(self.out_dir, enabled=self.global_rank == 0)
 
+    def configure_model(self) -> None:
+        """FSDP2 presets: each block, then the root, sharded over the data-parallel ranks (ZeRO: DeepSpeed's own)."""
+        mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None
+        shard_model(self.net, self.ds_config, mesh)
+
     def on_train_start(self) -> None:
         cfg, strategy = self.cfg, self.trainer.strategy
         self.checkpointer = make_checkpointer(cfg, self.global_rank, self.trainer.world_size, strategy.barrier)
-        self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
+        self.checkpointer.install(strategy.model)  # async_save: the backend's checkpoint files go through it
         if self.start_step == 0:  # the untrained model's error: where the curve starts
             error = evaluate(self.net, self.data.x_test, self.data.y_test, self.global_rank, self.trainer.world_size)
             self.metrics.log(0, val_rel_l2=error)
@@ -113,7 +125,7 @@ class OperatorLearning(L.LightningModule):
         cfg = self.cfg
         optimizer = make_optimizer(
             self.parameters(),
-            self.trainer.strategy.config,
+            self.ds_config,
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
             betas=(0.9, 0.999),
@@ -138,7 +150,7 @@ class OperatorLearning(L.LightningModule):
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the reduce and .item() are a collective and a host sync.
             loss = self.trainer.strategy.reduce(torch.stack(self.losses).mean(), reduce_op="mean").item()
-            norm = grad_norm(self.trainer.strategy.deepspeed_engine)  # this step's, before clipping
+            norm = grad_norm(self.trainer.strategy.model)  # this step's, before clipping
             self.metrics.log(step, train_rel_l2=loss, lr=self.step_lr, grad_norm=norm)
             self.log("rel_l2", loss, prog_bar=True)
             self.losses.clear()
@@ -157,7 +169,7 @@ class OperatorLearning(L.LightningModule):
         self.checkpointer.finish()  # async_save: the last checkpoint written and published before the export
         self.summary = finish(
             self.cfg,
-            self.trainer.strategy.config,
+            self.ds_config,
             self.trainer.strategy.model,
             self.net,
             self.data,
@@ -169,6 +181,7 @@ class OperatorLearning(L.LightningModule):
             backend="lightning",
             steps=self.trainer.global_step,
             start_step=self.start_step,
+            optimizer=self.trainer.optimizers[0],
         )
 
 
@@ -201,7 +214,7 @@ def main() -> None:
         if resume:  # before Lightning starts ranks 1..: they find a universal conversion in place
             prepare_resume(resume, config_to_dict(cfg))
 
-    module = OperatorLearning(cfg, data, superres, out_dir, start_step, clock)
+    module = OperatorLearning(cfg, ds_config, data, superres, out_dir, start_step, clock)
     setup_process(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",

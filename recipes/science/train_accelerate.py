@@ -40,11 +40,11 @@ from tqdm.auto import tqdm
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
-from common.metrics import Clock, grad_norm
+from common.metrics import Clock, all_reduce, grad_norm
 from common.process_setup import setup_process
 from common.resume import find_resume_point, mark_universal, param_groups_kept, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
-from common.strategy import accelerator_kwargs, make_optimizer
+from common.strategy import AccelerateCheckpointIO, accelerator_kwargs, make_optimizer, shard_model
 from science.burgers import DataError
 from science.fno import relative_l2
 
@@ -84,6 +84,7 @@ def main() -> None:
     net = build_model(cfg, data.scaling())
     mark_universal(net)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
     betas = (0.9, 0.999)  # the paper's Adam
+    shard_model(net, ds_config)  # FSDP2 presets: each block, then the root (ZeRO: DeepSpeed's, in prepare)
     optimizer = make_optimizer(net.parameters(), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=betas)
     # Not prepared: a prepared scheduler steps once per *process* per optimizer step (Accelerate counts
     # single-process steps); this one counts optimizer steps, as Lightning's does, and is saved with the state.
@@ -91,11 +92,12 @@ def main() -> None:
     accelerator.register_for_checkpointing(scheduler)
     # The DataLoader is not prepared either: StepSampler already gives each rank its slice (exact on resume).
     model, optimizer = accelerator.prepare(net, optimizer)
-    checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
-    checkpointer.install(model)  # async_save: DeepSpeed's files go through it
+    state = AccelerateCheckpointIO(accelerator, ds_config, model, optimizer, scheduler)  # save_state, or DCP
+    checkpointer = make_checkpointer(cfg, rank, world_size, state.barrier)
+    checkpointer.install(model)  # async_save: the backend's checkpoint files go through it
     if resume is not None:
         with param_groups_kept(optimizer):  # DeepSpeed's ZeRO-3 universal load flattens the groups' settings
-            accelerator.load_state(str(resume.load_path))  # DeepSpeed shards and optimizer, the scheduler, RNG
+            state.load(resume.load_path)  # the model's and optimizer's shards, the scheduler (DeepSpeed: RNG too)
     loader = train_loader(len(x_train), cfg, rank, world_size, start_step)
 
     metrics = MetricsLog(out_dir, enabled=main_process)
@@ -110,6 +112,8 @@ def main() -> None:
             step_lr = optimizer.param_groups[0]["lr"]  # the lr this step's update uses
             loss = relative_l2(model(x_train[idx]), y_train[idx])
             accelerator.backward(loss)  # under DeepSpeed: backward, and the engine's step at the boundary
+            if accelerator.sync_gradients and cfg.gradient_clipping:  # DeepSpeed clips in its step; FSDP2 here
+                accelerator.clip_grad_norm_(model.parameters(), cfg.gradient_clipping)
             optimizer.step()
             optimizer.zero_grad()
         losses.append(loss.detach())
@@ -120,7 +124,9 @@ def main() -> None:
         clock.step_done()
         bar.update(1)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:  # the only host sync of the loop's losses
-            mean_loss = accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item()
+            # common.metrics.all_reduce, not accelerator.reduce: under FSDP2 on a CPU Accelerate runs in its distributed
+            # type NO, where reduce returns this rank's value.
+            mean_loss = all_reduce(torch.stack(losses).mean()).item() / world_size
             metrics.log(step, train_rel_l2=mean_loss, lr=step_lr, grad_norm=grad_norm(model))  # before clipping
             bar.set_postfix(rel_l2=f"{mean_loss:.4f}")
             losses.clear()
@@ -129,7 +135,7 @@ def main() -> None:
             metrics.log(step, val_rel_l2=error)
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards into a temporary folder; rank 0 publishes it once all are done.
-            checkpointer.save(step, lambda folder: accelerator.save_state(str(folder)))
+            checkpointer.save(step, state.save)
             metrics.log(step, checkpoint_blocked_s=checkpointer.blocked_s[-1])
         clock.skip()
     bar.close()
@@ -149,6 +155,7 @@ def main() -> None:
         backend="accelerate",
         steps=step,
         start_step=start_step,
+        optimizer=optimizer,
     )
     if summary is not None:  # rank 0
         write_json_atomic(out_dir / "summary.json", summary.to_json())

@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from worker_util import quiet_cpu_trainer
 
+from common.accounting import fsdp2_model_state_bytes
 from common.activation import apply_activation_checkpointing
 from common.checkpoint import clean_partial_checkpoints, latest_checkpoint
 from common.fsdp2 import (
@@ -44,7 +45,6 @@ from common.fsdp2 import (
     dcp_write,
     lightning_fsdp2_trainer_kwargs,
     load_checkpoint,
-    model_state_bytes,
 )
 
 BLOCK = "LlamaDecoderLayer"
@@ -170,7 +170,7 @@ def train_fsdp2(config: str, init: str, rank: int, world: int, precision: str) -
         step_losses, norm = fsdp2_step(model, optimizer, rank, world)
         losses += step_losses
         norms.append(norm)
-    return losses, norms, model_state_bytes(model, optimizer)
+    return losses, norms, fsdp2_model_state_bytes(model, optimizer)
 
 
 def run_torch(args: argparse.Namespace, rank: int, world: int) -> dict:
@@ -234,7 +234,7 @@ def run_lightning(args: argparse.Namespace, rank: int, world: int) -> dict:
             "losses": module.losses,
             "grad_norms": module.norms,
             "rows": module.rows,
-            "state_bytes": model_state_bytes(module.net, optimizer),
+            "state_bytes": fsdp2_model_state_bytes(module.net, optimizer),
         }
     return results
 
@@ -262,7 +262,11 @@ def run_accelerate(args: argparse.Namespace, rank: int, world: int) -> dict:
                     optimizer.step()
                     optimizer.zero_grad()
                 losses.append(loss.item())
-        results[preset] = {"losses": losses, "grad_norms": norms, "state_bytes": model_state_bytes(model, optimizer)}
+        results[preset] = {
+            "losses": losses,
+            "grad_norms": norms,
+            "state_bytes": fsdp2_model_state_bytes(model, optimizer),
+        }
         results[preset]["distributed_type"] = accelerator.distributed_type.value
         results[preset]["num_processes"] = accelerator.num_processes
     accelerator.end_training()

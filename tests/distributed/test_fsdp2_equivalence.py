@@ -25,7 +25,7 @@ import torch
 from _util import PYTHON, REPO, accelerate_launch, free_port, recipe_module, run
 
 from common.config import dump_yaml
-from common.fsdp2 import accelerate_fsdp2_config
+from common.strategy import accelerate_fsdp2_config
 
 pytestmark = pytest.mark.slow
 

@@ -121,3 +121,39 @@ def test_checkpoint_bench_cpu_mode_writes_its_results_with_provenance(tmp_path):
 
     body = render_sections({"results": written})["checkpoint saves"]
     assert "stall_ratio" in body and "| 1M | 2 |" in body
+
+
+@pytest.mark.slow
+def test_peer_bench_quick_mode_measures_zero3_and_fsdp2_side_by_side(tmp_path):
+    """bench/peer.py --quick: the science recipe's smoke model, Lightning, ZeRO-3 and fsdp2 back to back (two real
+    2-process runs); every figure measured, and the rendered ratios are the two sides' own figures divided."""
+    results = tmp_path / "peer.json"
+    args = ["--quick", "--steps", "6", "--json", results, "--no-doc"]
+    run([PYTHON, "bench/peer.py", *args], timeout=300)
+    provenance, written = read_results(results)
+    assert provenance["command"] == f"python bench/peer.py {' '.join(map(str, args))}"
+    (row,) = written["rows"]
+    assert (row["recipe"], row["front_end"], row["zero"], row["fsdp2"], row["error"]) == (
+        "science",
+        "lightning",
+        "deepspeed_stage_3",
+        "fsdp2",
+        None,
+    )
+    (zero,), (fsdp2,) = row["runs"]["deepspeed_stage_3"], row["runs"]["fsdp2"]
+    for side in (zero, fsdp2):
+        assert side["cpu_s_per_step"] > 0 and side["wall_s_per_step"] > 0 and side["samples_per_s"] > 0, side
+        assert 0 < side["post_step_rss_bytes"] <= side["peak_rss_bytes"] and side["checkpoint_bytes"] > 0, side
+        assert side["checkpoint_blocked_s"] >= 0 and side["model_state_bytes"] > 0, side
+    # Both shard the optimizer state. Under bf16 ZeRO's optimizer holds the fp32 master weights beside Adam's m and v
+    # (12 B per parameter), FSDP2's only m and v (8 B: its fp32 parameter shards are the master weights).
+    optimizer_ratio = zero["model_state_breakdown"]["optimizer"] / fsdp2["model_state_breakdown"]["optimizer"]
+    assert 1.45 < optimizer_ratio < 1.55, (zero, fsdp2)
+    sys.path.insert(0, str(REPO))
+    from bench.peer import render_sections
+
+    body = render_sections({"results": written})["peer"]
+    cpu = zero["cpu_s_per_step"] / fsdp2["cpu_s_per_step"]
+    states = zero["model_state_bytes"] / fsdp2["model_state_bytes"]
+    assert f"| science | lightning | deepspeed_stage_3 / fsdp2 | {cpu:.2f} | " in body, body
+    assert f" | {states:.2f} | " in body.split("\n\n")[1], body

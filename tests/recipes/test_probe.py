@@ -110,6 +110,27 @@ def test_nothing_ran_gives_no_recommendation():
     assert rec["candidate"] is None and "no candidate ran" in rec["reason"]
 
 
+def test_fsdp2_candidates_stand_beside_the_ladder_with_their_measured_ratios():
+    # FSDP2 faster here: the ladder still answers with the ZeRO preset, and says how it compared with its peer.
+    rows = [row("deepspeed_stage_3", 800), row("fsdp2", 1000)]
+    rec = probe.recommend(rows, 80e9)
+    assert rec["preset"] == "deepspeed_stage_3"
+    (peer,) = rec["peers"]
+    assert (peer["fsdp2"], peer["zero"], peer["throughput_ratio"], peer["peak_memory_ratio"]) == (
+        "fsdp2",
+        "deepspeed_stage_3",
+        0.8,
+        1.0,
+    )
+    assert "deepspeed_stage_3 ran at 0.80x fsdp2's throughput" in rec["reason"]
+    # Only FSDP2 ran: it is the answer.
+    rec = probe.recommend([row("deepspeed_stage_3", status="failed: boom"), row("fsdp2_grad_op", 900)], 80e9)
+    assert (rec["preset"], rec["zero_stage"], rec["peers"]) == ("fsdp2_grad_op", None, [])
+    assert [c.name for c in probe.parse_candidates("deepspeed_stage_3,fsdp2", None)] == ["deepspeed_stage_3", "fsdp2"]
+    with pytest.raises(probe.ConfigError, match="did you mean 'fsdp2'"):
+        probe.parse_candidates("fsdp3", None)
+
+
 def test_candidates_are_checked_and_crossed():
     cands = probe.parse_candidates("deepspeed_stage_2,deepspeed_stage_3", "none,full")
     assert [c.name for c in cands] == [
@@ -398,3 +419,29 @@ def test_probe_four_candidates_on_two_cpu_processes_then_ctrl_c_keeps_the_rows_a
     assert (cfg["preset"], cfg["activation_checkpointing"]) == (rec["preset"], rec["activation_checkpointing"])
     assert "Recommended" in (tmp_path / "report.md").read_text()
     print(f"probe of 4 candidates: {elapsed:.0f} s")
+
+
+@pytest.mark.slow
+def test_probe_a_mixed_zero_and_fsdp2_candidate_list_on_two_cpu_processes(tmp_path):
+    """``--candidates deepspeed_stage_3,fsdp2`` on the science recipe's smoke model (the NLP recipe refuses FSDP2):
+    two real 2-process runs, each measured, the ZeRO one recommended and the FSDP2 one beside it."""
+    smoke = ["n_train=40", "n_test=8", "grid_size=64", "solve_grid=256", "modes=8", "width=16", "n_layers=2"]
+    smoke += ["proj_width=32", "micro_batch_size=4", "data_workers=1", "eval_interval=1000", "checkpoint_interval=1000"]
+    sets = [part for value in smoke for part in ("--set", value)]
+    args = ["probe", "science", "--candidates", "deepspeed_stage_3,fsdp2", "--steps", "4", "--devices", "2"]
+    out = zr(*args, "--out", str(tmp_path), *sets, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    rows = {r["candidate"]: r for r in report["rows"]}
+    assert list(rows) == ["deepspeed_stage_3", "fsdp2"]
+    for r in rows.values():
+        assert r["status"] == "ok" and r["world_size"] == 2, r
+        assert r["throughput"] > 0 and r["peak_memory_bytes"] > 0 and r["model_state_bytes_per_rank"] > 0, r
+    assert (rows["deepspeed_stage_3"]["zero_stage"], rows["fsdp2"]["zero_stage"]) == (3, None)
+    summary = json.loads((tmp_path / "runs" / "fsdp2" / "summary.json").read_text())
+    assert summary["preset"] == "fsdp2"  # the candidate ran under FSDP2, not under the recipe's default preset
+    rec = report["recommendation"]
+    assert rec["preset"] == "deepspeed_stage_3"
+    (peer,) = rec["peers"]
+    ratio = rows["deepspeed_stage_3"]["throughput"] / rows["fsdp2"]["throughput"]
+    assert peer["throughput_ratio"] == pytest.approx(ratio)

@@ -47,6 +47,7 @@ RESULTS_BENCH = {
     "parallelism.json": "parallelism.py",
     "long_context.json": "long_context.py",
     "communication.json": "communication.py",
+    "peer.json": "peer.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 MACHINE_KEYS = ("cpu_model", "cpu_count", "memory_bytes", "disks")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.accounting import fsdp2_model_state_bytes
 from common.errors import ConfigError
 from common.fsdp2 import (
     FSDP2_PRESETS,
     ZERO_ONLY_FEATURES,
-    accelerate_fsdp2_config,
     accelerator_fsdp2_kwargs,
     checkpoint_parts,
     consolidate_checkpoint,
@@ -19,10 +19,10 @@ from common.fsdp2 import (
     lightning_fsdp2_trainer_kwargs,
     load_checkpoint,
     mixed_precision_policy,
-    model_state_bytes,
     refuse_zero_only_features,
 )
 from common.presets import PRESETS
+from common.strategy import accelerate_fsdp2_config
 
 
 def test_each_preset_reads_as_data_with_its_zero_counterpart():
@@ -152,8 +152,30 @@ def test_consolidation_reads_the_weights_alone_and_says_what_a_folder_holds(tmp_
 def test_model_state_bytes_count_what_the_tensors_hold():
     model, optimizer = trained_linear(0)
     num_params = sum(p.numel() for p in model.parameters())
-    state = model_state_bytes(model, optimizer)
+    state = fsdp2_model_state_bytes(model, optimizer)
     assert (state["params"], state["grads"], state["optimizer"]) == (4 * num_params, 0, 8 * num_params)
     assert (state["buffers"], state["model_states"], state["total"]) == (0, 12 * num_params, 12 * num_params)
     model(torch.randn(2, 4)).sum().backward()
-    assert model_state_bytes(model, optimizer)["grads"] == 4 * num_params
+    assert fsdp2_model_state_bytes(model, optimizer)["grads"] == 4 * num_params
+
+
+def test_a_deferred_dcp_save_writes_the_state_as_it_was_at_the_call(tmp_path):
+    """What DcpAsyncCheckpointer does with a front-end's own synchronous save: ``dcp.save`` inside the block only
+    stages a host copy; the next optimizer step changes the live tensors in place; the writer then writes the copy."""
+    import torch.distributed.checkpoint as dcp
+
+    from common.async_checkpoint import deferred_dcp_saves, write_deferred
+
+    model, optimizer = trained_linear(seed=0)
+    weight, original = model.weight.detach().clone(), dcp.save
+    with deferred_dcp_saves() as deferred:
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert len(deferred) == 1 and not (tmp_path / "ckpt").exists()  # staged, nothing written yet
+    model(torch.randn(2, 4)).square().sum().backward()
+    optimizer.step()  # in place, after the save call: must not reach the checkpoint
+    assert not torch.equal(model.weight, weight)
+    assert dcp.save is original  # the package's own save is back after the block
+    write_deferred(deferred, group=None)
+    loaded = {"model": {name: torch.zeros_like(value) for name, value in model.state_dict().items()}}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"))
+    assert torch.equal(loaded["model"]["weight"], weight)

@@ -1,0 +1,426 @@
+"""DeepSpeed ZeRO against its peer, PyTorch FSDP2: the same recipe, side by side, on both front-ends.
+
+    python bench/peer.py             # CV and science default models, both front-ends, 2 interleaved reps
+    python bench/peer.py --quick     # CI: the science recipe's smoke model, Lightning, ZeRO-3 vs fsdp2, 1 rep
+    python bench/peer.py --lock /tmp/zr-heavy.lock   # hold a shared machine's lock around each repetition
+    python bench/peer.py --render    # rewrite docs/benchmarks.md's "peer" section from bench/results/peer.json
+
+Each pair compares a ZeRO preset with the FSDP2 preset that shards the same states: ``deepspeed_stage_2`` with
+``fsdp2_grad_op`` (weights whole between forward and backward) and ``deepspeed_stage_3`` with ``fsdp2`` (weights
+sharded too). Every run is the recipe's own command, as a user types it (``train.py`` for Lightning,
+``accelerate launch ... train_accelerate.py`` for Accelerate) on 2 CPU processes with ``preset=`` the only change
+between the two sides of a pair; the two sides run one after the other in every repetition, in an order that
+rotates, so a ratio compares runs made side by side.
+
+Measured per run: from outside, the CPU time and wall time per optimizer step of every process the command started
+(sampled when rank 0 logs a step, warm-up steps and the checkpoint save left out), the largest resident memory of
+one process (peak over the run, and right after the last step, before its save); from the run's own files, samples
+per second (``summary.json``, median step), model-state bytes per rank (counted from the tensors rank 0 holds, with
+their breakdown), the final checkpoint's size on disk and how long its save blocked training (``metrics.jsonl``).
+The NLP recipe joins when it accepts the FSDP2 presets: until then its refusal line is recorded as the reason it is
+skipped. Communication bytes per step are not measured here (bench/communication.py measures ZeRO's).
+
+Writes bench/results/peer.json (provenance included) and renders the "peer" section of docs/benchmarks.md from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
+from bench._bench_util import (  # noqa: E402
+    DOC,
+    REPO,
+    add_results_options,
+    bench_env,
+    bench_parser,
+    holding,
+    kill_tree,
+    median,
+    render_from_file,
+    rotated,
+    save_and_publish,
+    spread,
+    table_head,
+    work_folder,
+)
+from common.errors import exit_on_user_error  # noqa: E402
+from common.rundir import free_port, read_metrics  # noqa: E402
+from common.tools.probe import last_error_line  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "peer.json"
+DOCS = {"peer": DOC}
+# (ZeRO preset, the FSDP2 preset sharding the same model states)
+PAIRS = (("deepspeed_stage_2", "fsdp2_grad_op"), ("deepspeed_stage_3", "fsdp2"))
+FRONT_ENDS = ("lightning", "accelerate")
+RECIPES = ("cv", "science")
+LOSS_KEY = {"cv": "train_loss", "science": "train_rel_l2", "nlp": "train_loss"}
+WARMUP = 3  # optimizer steps left out of the per-step figures (first calls, allocator growth)
+POLL_S = 0.05
+MiB = 2**20
+# The science recipe's smoke model (its SMOKE_OVERRIDES without the step counts): what --quick trains in CI.
+SCIENCE_SMOKE = [
+    "n_train=40",
+    "n_test=8",
+    "grid_size=64",
+    "solve_grid=256",
+    "modes=8",
+    "width=16",
+    "n_layers=2",
+    "proj_width=32",
+    "micro_batch_size=4",
+    "data_workers=1",
+]
+
+
+@dataclass
+class Run:
+    """One recipe run's figures. Per step: between rank 0's log of the last warm-up step and of the last step."""
+
+    cpu_s_per_step: float
+    wall_s_per_step: float
+    samples_per_s: float
+    model_state_bytes: int
+    model_state_breakdown: dict
+    peak_rss_bytes: int
+    post_step_rss_bytes: int
+    checkpoint_bytes: int
+    checkpoint_blocked_s: float
+    final_loss: float
+
+
+def command(recipe: str, front_end: str, args: list[str]) -> list[str]:
+    """The recipe's command on 2 processes, through the front-end's own launcher."""
+    folder = REPO / "recipes" / recipe
+    if front_end == "lightning":
+        return [sys.executable, str(folder / "train.py"), "devices=2", *args]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(folder / "accelerate.yaml")]
+    launch += ["--num_processes", "2", "--main_process_port", str(free_port())]
+    return [*launch, str(folder / "train_accelerate.py"), *args]
+
+
+def logged_steps(out_dir: Path, key: str) -> set[int]:
+    """The optimizer steps rank 0 has logged so far (metrics.jsonl is appended line by line)."""
+    with contextlib.suppress(OSError, ValueError):
+        return {r["step"] for r in read_metrics(out_dir) if key in r}
+    return set()
+
+
+def tree_sample(root: psutil.Process) -> tuple[float, int]:
+    """(CPU seconds of the command and every process it started, largest resident memory of one of them)."""
+    cpu, rss = 0.0, 0
+    with contextlib.suppress(psutil.Error):
+        for process in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                times = process.cpu_times()
+                cpu += times.user + times.system + times.children_user + times.children_system
+                rss = max(rss, process.memory_info().rss)
+    return cpu, rss
+
+
+def directory_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def run_recipe(recipe: str, front_end: str, preset: str, args: list[str], out_dir: Path, steps: int) -> Run:
+    """Launch one run and sample it from outside until it ends; RuntimeError with its last error line if it fails."""
+    key = LOSS_KEY[recipe]
+    argv = command(recipe, front_end, [*args, f"preset={preset}", f"out_dir={out_dir}", f"max_steps={steps}"])
+    at_step: dict[int, tuple[float, float, int]] = {}  # step -> (wall, CPU, largest RSS) when rank 0 logged it
+    peak_rss = 0
+    with tempfile.TemporaryFile("w+") as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=REPO, env=bench_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
+        root = psutil.Process(proc.pid)
+        try:
+            while proc.poll() is None:
+                cpu, rss = tree_sample(root)
+                peak_rss = max(peak_rss, rss)
+                for step in logged_steps(out_dir, key) - set(at_step):
+                    at_step[step] = (time.perf_counter() - start, cpu, rss)
+                time.sleep(POLL_S)
+        except BaseException:
+            kill_tree(proc.pid)
+            raise
+        out.seek(0)
+        printed = out.read()
+    if proc.returncode != 0:
+        raise RuntimeError(last_error_line(printed))
+    if WARMUP not in at_step or steps not in at_step:
+        raise RuntimeError(f"steps {WARMUP} and {steps} were not seen in {out_dir}/metrics.jsonl while it ran")
+    summary = json.loads((out_dir / "summary.json").read_text())
+    records = read_metrics(out_dir)
+    (wall0, cpu0, _), (wall1, cpu1, post_rss) = at_step[WARMUP], at_step[steps]
+    blocked = [r["checkpoint_blocked_s"] for r in records if "checkpoint_blocked_s" in r and r["step"] == steps]
+    final = [r[key] for r in records if key in r and r["step"] == steps]
+    return Run(
+        cpu_s_per_step=(cpu1 - cpu0) / (steps - WARMUP),
+        wall_s_per_step=(wall1 - wall0) / (steps - WARMUP),
+        samples_per_s=summary["throughput"]["value"],
+        model_state_bytes=summary["model_state_bytes_per_rank"],
+        model_state_breakdown=summary.get("model_state_breakdown", {}),
+        peak_rss_bytes=peak_rss,
+        post_step_rss_bytes=post_rss,
+        checkpoint_bytes=directory_bytes(out_dir / "checkpoints" / f"step_{steps:06d}"),
+        checkpoint_blocked_s=blocked[0] if blocked else float("nan"),
+        final_loss=final[0],
+    )
+
+
+def nlp_refusal(work: Path) -> str | None:
+    """Why the NLP recipe cannot join (its one-line refusal of an FSDP2 preset), or None once it accepts them: one
+    step of a small model under ``fsdp2`` (the refusal comes before any work)."""
+    small = ["max_steps=1", "seq_len=64", "micro_batch_size=2", "max_train_tokens=20000", "max_val_tokens=2048"]
+    argv = command("nlp", "lightning", ["preset=fsdp2", f"out_dir={work / 'nlp-check'}", *small])
+    proc = subprocess.run(argv, cwd=REPO, env=bench_env(), capture_output=True, text=True, timeout=600)
+    return last_error_line(proc.stdout + proc.stderr) if proc.returncode != 0 else None
+
+
+def measure(
+    cases: list[tuple[str, str]], pairs: tuple, reps: int, steps: int, work: Path, quick: bool, lock: Path | None
+) -> list[dict]:
+    """Interleaved repetitions of every (recipe, front-end, pair): the two sides of a pair run back to back, each
+    repetition holding ``lock`` (other heavy work on a shared machine waits between repetitions, not during one)."""
+    rows = {
+        (recipe, front_end, zero, fsdp2): {"runs": {zero: [], fsdp2: []}, "error": None}
+        for recipe, front_end in cases
+        for zero, fsdp2 in pairs
+    }
+    for rep in range(reps):
+        with holding(lock):
+            for (recipe, front_end, zero, fsdp2), row in rows.items():
+                if not row["error"]:
+                    measure_pair(recipe, front_end, (zero, fsdp2), row, rep, steps, work, quick)
+    return [
+        {"recipe": recipe, "front_end": front_end, "zero": zero, "fsdp2": fsdp2, **row}
+        for (recipe, front_end, zero, fsdp2), row in rows.items()
+    ]
+
+
+def measure_pair(
+    recipe: str, front_end: str, pair: tuple[str, str], row: dict, rep: int, steps: int, work: Path, quick: bool
+) -> None:
+    """Both sides of a pair, in the repetition's order; a failure is kept in ``row["error"]``."""
+    for preset in rotated(pair, rep):
+        out_dir = work / f"{recipe}-{front_end}-{preset}-{rep}"
+        args = [f"checkpoint_interval={steps}", "log_interval=1", "eval_interval=100000"]
+        if recipe == "science":
+            args += [f"cache_dir={work / 'burgers-cache'}", *(SCIENCE_SMOKE if quick else [])]
+        try:
+            run = run_recipe(recipe, front_end, preset, args, out_dir, steps)
+        except RuntimeError as err:
+            row["error"] = f"{preset}: {err}"
+            print(f"rep {rep} {recipe} {front_end} {preset}: did not run: {err}", flush=True)
+            break
+        row["runs"][preset].append(asdict(run))
+        print(
+            f"rep {rep} {recipe:>7} {front_end:>10} {preset:>17}: CPU {run.cpu_s_per_step * 1e3:7.1f} ms/step, "
+            f"wall {run.wall_s_per_step * 1e3:7.1f} ms/step, states {run.model_state_bytes / MiB:.2f} MiB",
+            flush=True,
+        )
+
+
+# --- rendering: a pure function of the results document -------------------------------------------------------------
+
+# (figure, Run field, lower is better): ratio ZeRO / FSDP2 per repetition, side by side
+RATIOS = (
+    ("CPU time per step", "cpu_s_per_step"),
+    ("wall time per step", "wall_s_per_step"),
+    ("model states per rank", "model_state_bytes"),
+    ("peak RSS", "peak_rss_bytes"),
+    ("post-step RSS", "post_step_rss_bytes"),
+    ("checkpoint size", "checkpoint_bytes"),
+    ("save stall", "checkpoint_blocked_s"),
+)
+
+
+def ratios(row: dict, field: str) -> list[float]:
+    """ZeRO / FSDP2 of ``field`` in each repetition (both sides of a repetition ran back to back)."""
+    zero, fsdp2 = row["runs"][row["zero"]], row["runs"][row["fsdp2"]]
+    return [z[field] / f[field] for z, f in zip(zero, fsdp2) if f[field]]
+
+
+def ratio_text(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    low, high = spread(values)
+    return f"{median(values):.2f} ({low:.2f}-{high:.2f})"
+
+
+def side(runs: list[dict], field: str, scale: float = 1.0, digits: int = 1) -> str:
+    return f"{median([r[field] for r in runs]) * scale:.{digits}f}"
+
+
+def figures_table(rows: list[dict]) -> str:
+    lines = table_head(
+        "recipe",
+        "front-end",
+        "preset",
+        "CPU ms / step",
+        "wall ms / step",
+        "samples/s",
+        "model states / rank (MiB)",
+        "peak RSS (MiB)",
+        "post-step RSS (MiB)",
+        "checkpoint (MiB)",
+        "save stall (ms)",
+    )
+    for row in rows:
+        for preset in (row["zero"], row["fsdp2"]):
+            runs = row["runs"][preset]
+            if not runs:
+                continue
+            lines.append(
+                f"| {row['recipe']} | {row['front_end']} | {preset} | {side(runs, 'cpu_s_per_step', 1e3)} | "
+                f"{side(runs, 'wall_s_per_step', 1e3)} | {side(runs, 'samples_per_s')} | "
+                f"{side(runs, 'model_state_bytes', 1 / MiB, 2)} | {side(runs, 'peak_rss_bytes', 1 / MiB, 0)} | "
+                f"{side(runs, 'post_step_rss_bytes', 1 / MiB, 0)} | {side(runs, 'checkpoint_bytes', 1 / MiB, 2)} | "
+                f"{side(runs, 'checkpoint_blocked_s', 1e3, 0)} |"
+            )
+    return "\n".join(lines)
+
+
+def ratios_table(rows: list[dict]) -> str:
+    lines = table_head("recipe", "front-end", "ZeRO / FSDP2", *[name for name, _ in RATIOS])
+    for row in rows:
+        if row["runs"][row["fsdp2"]] and row["runs"][row["zero"]]:
+            cells = " | ".join(ratio_text(ratios(row, field)) for _, field in RATIOS)
+            lines.append(f"| {row['recipe']} | {row['front_end']} | {row['zero']} / {row['fsdp2']} | {cells} |")
+    return "\n".join(lines)
+
+
+def breakdown_text(row: dict) -> str:
+    """Where the model-state bytes differ: rank 0's categories on each side (last repetition)."""
+    parts = []
+    for preset in (row["zero"], row["fsdp2"]):
+        breakdown = row["runs"][preset][-1]["model_state_breakdown"]
+        cells = ", ".join(f"{name} {value / MiB:.2f}" for name, value in breakdown.items() if value)
+        parts.append(f"{preset}: {cells or 'no breakdown'} MiB")
+    return "; ".join(parts)
+
+
+def where_zero_loses(rows: list[dict]) -> str:
+    """Each figure where the ZeRO side's median is above FSDP2's by more than its repetitions' spread allows."""
+    lines = []
+    for row in rows:
+        if not (row["runs"][row["zero"]] and row["runs"][row["fsdp2"]]):
+            continue
+        for name, field in RATIOS:
+            values = ratios(row, field)
+            if values and min(values) > 1.0:  # ZeRO above FSDP2 in every repetition
+                lines.append(
+                    f"- {row['recipe']}, {row['front_end']}, {row['zero']} vs {row['fsdp2']}: {name} "
+                    f"{median(values):.2f}x FSDP2's (every repetition above 1.00)."
+                )
+        lines.append(f"  Model states per rank, by kind: {breakdown_text(row)}.")
+    return "\n".join(lines) if lines else "No figure where ZeRO is above FSDP2 in every repetition."
+
+
+def sharding_cost_text(rows: list[dict]) -> str:
+    """Why, from the same table: what sharding the parameters too adds to a step on each side (stage 3 over stage 2
+    for ZeRO, ``fsdp2`` over ``fsdp2_grad_op`` for FSDP2), beside what the two sides cost at stage 2."""
+    by_case: dict[tuple[str, str], dict[str, dict]] = {}
+    for row in rows:
+        if row["runs"][row["zero"]] and row["runs"][row["fsdp2"]]:
+            by_case.setdefault((row["recipe"], row["front_end"]), {})[row["zero"]] = row
+    lines = []
+    for (recipe, front_end), pairs in by_case.items():
+        if set(pairs) != {"deepspeed_stage_2", "deepspeed_stage_3"}:
+            continue
+        ms = {
+            preset: median([r["cpu_s_per_step"] for r in row["runs"][preset]]) * 1e3
+            for row in pairs.values()
+            for preset in (row["zero"], row["fsdp2"])
+        }
+        zero_added = ms["deepspeed_stage_3"] - ms["deepspeed_stage_2"]
+        fsdp2_added = ms["fsdp2"] - ms["fsdp2_grad_op"]
+        lines.append(
+            f"- {recipe}, {front_end}: sharding the parameters too adds {zero_added:+.0f} ms of CPU time a step "
+            f"under ZeRO (stage 3 over stage 2) and {fsdp2_added:+.0f} ms under FSDP2 (fsdp2 over fsdp2_grad_op); "
+            f"at stage 2 the sides stand at {ms['deepspeed_stage_2']:.0f} and {ms['fsdp2_grad_op']:.0f} ms."
+        )
+    if not lines:
+        return ""
+    return (
+        "Where the CPU time goes (medians of the table above): the part of a step that parameter sharding adds on "
+        "each side, against the stage-2 step both share.\n\n" + "\n".join(lines)
+    )
+
+
+def render_sections(document: dict) -> dict[str, str]:
+    """The "peer" section of docs/benchmarks.md, from a peer.json document alone."""
+    results = document["results"]
+    rows = results["rows"]
+    failed = [f"- {r['recipe']}, {r['front_end']}: did not run: `{r['error']}`" for r in rows if r["error"]]
+    skipped = [f"- {name}: skipped: `{why}`" for name, why in results["skipped"].items()]
+    if "nlp" in results["skipped"]:
+        skipped.append(
+            "\nThe goal on the NLP recipe (ZeRO at most 1.00x FSDP2's CPU time per step and 1.10x its model-state "
+            "bytes per rank) is not judged here until that recipe runs the FSDP2 presets; the rows above are the CV "
+            "and science recipes'."
+        )
+    head = (
+        f"{results['reps']} interleaved repetitions of {results['steps']} optimizer steps per run, 2 CPU processes "
+        f"(gloo), each recipe's {results['model']} at its default precision, the recipe's own command with "
+        f"`preset=` the only change within a pair. Per step: CPU time of every process of the run (the two ranks and "
+        f"the launcher) and wall time, steps {results['warmup'] + 1}-{results['steps']}, sampled from outside; "
+        "samples/s from the run's summary.json (median step); model states counted from the tensors rank 0 holds "
+        "after the last step (the recipes count after their final evaluation's forward: weights an FSDP2 preset "
+        "keeps gathered for a backward, every unit's under `fsdp2_grad_op`, count as their working copies in place "
+        "of their fp32 shards); "
+        "RSS the largest of one process; checkpoint: the final one on disk and how long its "
+        "save blocked training. Figures are medians over repetitions; ratios are ZeRO / FSDP2 per repetition, "
+        "median (min-max): below 1.00 ZeRO is cheaper."
+    )
+    body = [head, "", ratios_table(rows), "", figures_table(rows), "", "Where ZeRO costs more (measured):", ""]
+    body += [where_zero_loses(rows)]
+    why = sharding_cost_text(rows)
+    body += [*(["", why] if why else []), *([""] + failed if failed else []), *([""] + skipped if skipped else [])]
+    return {"peer": "\n".join(body)}
+
+
+@exit_on_user_error(ValueError, FileNotFoundError)  # --render: a results file missing or without provenance
+def main() -> None:
+    parser = bench_parser(__doc__)
+    add_results_options(parser, RESULTS)
+    parser.add_argument("--quick", action="store_true", help="CI: science smoke model, Lightning, ZeRO-3 vs fsdp2")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help=f"optimizer steps per run (more than {WARMUP + 1})")
+    parser.add_argument("--work-dir", help="keep the runs' folders here (default: a temporary folder)")
+    parser.add_argument("--lock", type=Path, help="a file to flock around each repetition (a shared machine's lock)")
+    args = parser.parse_args()
+    if args.render:
+        render_from_file(args.json, render_sections, DOCS)
+        return
+    if args.steps <= WARMUP + 1 or args.reps < 1:
+        parser.error(f"--steps must exceed {WARMUP + 1} (the warm-up steps and one measured step), --reps be >= 1")
+    if args.quick:
+        cases, pairs, reps, model = [("science", "lightning")], PAIRS[1:], 1, "smoke model"
+    else:
+        cases = [(recipe, front_end) for recipe in RECIPES for front_end in FRONT_ENDS]
+        pairs, reps, model = PAIRS, args.reps, "default model"
+    with work_folder(args.work_dir, "zr-peer-") as work:
+        skipped = {}
+        if not args.quick:
+            refusal = nlp_refusal(work)
+            if refusal:
+                skipped["nlp"] = refusal
+        rows = measure(cases, pairs, reps, args.steps, work, args.quick, args.lock)
+    results = {"reps": reps, "steps": args.steps, "warmup": WARMUP, "model": model, "rows": rows, "skipped": skipped}
+    save_and_publish(args, results, render_sections, DOCS)
+    print(render_sections({"results": results})["peer"])
+
+
+if __name__ == "__main__":
+    main()
