@@ -171,7 +171,8 @@ def fsdp2_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
 
     ``params``: the local shards of the parameters (padding included: a shard is a view of a padded storage);
     ``grads``: the local shards of gradients that are alive; ``optimizer``: the local shards of the optimizer's
-    state (Adam's moments); ``buffers``: the module's buffers and any gathered (unsharded) weights alive now.
+    state (Adam's moments); ``buffers``: the module's buffers and any gathered (unsharded) weights alive now
+    (FSDP2 swaps them in for the module's parameters: the shards are read from its own records).
     The same keys as :func:`model_state_bytes` for a DeepSpeed engine.
     """
     counted: dict[tuple[int, int], str] = {}
@@ -184,7 +185,16 @@ def fsdp2_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
         if key[1] and key not in counted:
             counted[key] = category
 
-    for param in model.parameters():
+    # The shards first, from FSDP2's own records: while a unit's weights are gathered (the root after any forward, each
+    # block after an evaluation forward under reshard_after_forward=False, which no backward reshards), the module's
+    # parameters are the whole gathered tensors: counted here as buffers, not as the parameters this rank keeps.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for fsdp_param in _fsdp_params(module):
+                add(fsdp_param.sharded_param, "params")
+                add(fsdp_param.sharded_param.grad, "grads")
+                add(getattr(fsdp_param, "_unsharded_param", None), "buffers")  # a storage of 0 bytes when resharded
+    for param in model.parameters():  # any FSDP2 does not manage (a gathered one is counted above already)
         add(param, "params")
         add(param.grad, "grads")
     if optimizer is not None:
@@ -194,10 +204,6 @@ def fsdp2_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
                     add(value, "optimizer")
     for buffer in model.buffers():
         add(buffer, "buffers")
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for fsdp_param in _fsdp_params(module):
-                add(getattr(fsdp_param, "_unsharded_param", None), "buffers")
 
     return category_totals(counted)
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from common.activation import find_blocks
 from common.async_checkpoint import WRITE_DELAY_ENV, DcpAsyncCheckpointer  # noqa: F401 - read from here too
@@ -135,6 +136,28 @@ def apply_fully_shard(
     # freeing them would only gather them again (torch's default for the root, None, says the same).
     fully_shard(model, mesh=mesh, reshard_after_forward=None, mp_policy=policy)
     return [name for name, _ in blocks]
+
+
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The gradients' global 2-norm before clipping, over every rank's shards; clip them to ``max_norm`` if above 0.
+
+    Both front-ends clip through it (Lightning's ``configure_gradient_clipping``, the Accelerate loop): the norm they
+    log is then what DeepSpeed's engine logs for the ZeRO presets (``get_global_grad_norm``), measured the same way on
+    both. ``torch.nn.utils.clip_grad_norm_`` returns a DTensor for sharded gradients, a norm the caller must still
+    gather; this returns a plain tensor (``full_tensor``), the same on every rank.
+
+    Args:
+        parameters: the model's parameters (FSDP2's sharded DTensors, or plain ones in one process).
+        max_norm: the clipping threshold (0: measure only).
+
+    Returns:
+        A 0-dimensional tensor on the gradients' device.
+    """
+    parameters = [param for param in parameters if param.grad is not None]
+    norm = torch.nn.utils.get_total_norm([param.grad for param in parameters])
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 # --- front-ends -------------------------------------------------------------------------------------------------

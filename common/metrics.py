@@ -8,10 +8,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from the vendors' data sheets.
@@ -115,12 +117,46 @@ def all_reduce(tensor: Any, op: str = "sum") -> Any:
     return tensor
 
 
-def grad_norm(engine: Any) -> float:
-    """The last optimizer step's gradient norm before clipping, as DeepSpeed computed it over every rank (NaN before
-    the first step, and under an FSDP2 preset, whose front-end clipping keeps no norm). The same on every rank;
-    sequence parallel: it checks the loss scaling (module docstring of common/sequence_parallel.py), which the loss
-    curve alone hides."""
-    if not hasattr(engine, "get_global_grad_norm"):  # an FSDP2 model: the front-end's clipping keeps no norm
+def barrier() -> None:
+    """Every rank waits for the others (a no-op in one process).
+
+    The process group's own barrier, not ``accelerator.wait_for_everyone``: under an FSDP2 preset on a CPU,
+    Accelerate 1.15 runs in its distributed type ``NO`` (its FSDP mode is for accelerators), where
+    ``wait_for_everyone`` returns at once although the processes share a process group.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_process_first(is_main_process: bool) -> Iterator[None]:
+    """The main process runs the block first (say, generating a data cache); the others enter it once it has left.
+
+    Every rank must enter it. Over the process group (:func:`barrier`), for the reason given there:
+    ``accelerator.main_process_first`` lets every rank in at once under FSDP2 on a CPU.
+    """
+    if not is_main_process:
+        barrier()
+    yield
+    if is_main_process:
+        barrier()
+
+
+def grad_norm(engine: Any, measured: Any = None) -> float:
+    """The last optimizer step's gradient norm before clipping, over every rank (NaN before the first step). The same
+    on every rank; sequence parallel: it checks the loss scaling (module docstring of common/sequence_parallel.py),
+    which the loss curve alone hides.
+
+    Args:
+        engine: DeepSpeed's engine, which computes the norm in its step and keeps it.
+        measured: the norm the training loop measured while clipping (an FSDP2 preset, whose engine keeps none:
+            :func:`common.strategy.gradient_norm`); when given, it is the one returned.
+    """
+    if measured is not None:
+        return float(measured)
+    if not hasattr(engine, "get_global_grad_norm"):  # an FSDP2 model before its first clipping
         return math.nan
     norm = engine.get_global_grad_norm()
     return math.nan if norm is None else float(norm)

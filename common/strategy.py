@@ -35,6 +35,7 @@ from typing import Any
 
 from common.errors import ConfigError, nearest
 from common.memory_formulas import MIN_SWAPPED_BYTES, swap_threshold_bytes
+from common.metrics import barrier
 from common.nvme_storage import check_nvme_storage, nvme_sections
 from common.presets import (
     FROM_LAYOUT,
@@ -696,6 +697,28 @@ def shard_model(model: Any, ds_config: dict[str, Any], mesh: Any = None, layer_c
     return model
 
 
+def gradient_norm(model: Any, ds_config: dict[str, Any], clip: bool = False) -> Any:
+    """At an optimizer step's boundary, before the step: the gradients' norm before clipping, where the engine keeps
+    none; with ``clip``, the gradients clipped as well.
+
+    Under an FSDP2 preset: :func:`common.fsdp2.clip_grad_norm`, clipping at the config's ``gradient_clipping`` when
+    ``clip`` (the Accelerate loop clips through it; Lightning clips by itself, from the trainer's
+    ``gradient_clip_val``, after its ``on_before_optimizer_step`` hook measured the norm); the loop logs what it returns
+    (:func:`common.metrics.grad_norm`'s ``measured``). Under a ZeRO preset: None, nothing done: DeepSpeed clips inside
+    its step and keeps the norm itself.
+
+    Args:
+        model: the model being trained (a LightningModule, or Accelerate's prepared model).
+        ds_config: the factory's resolved config.
+        clip: clip the gradients too (FSDP2 presets).
+    """
+    if not is_fsdp2(ds_config):
+        return None
+    from common.fsdp2 import clip_grad_norm
+
+    return clip_grad_norm(model.parameters(), ds_config["gradient_clipping"] if clip else 0.0)
+
+
 @dataclass
 class AccelerateCheckpointIO:
     """How an Accelerate loop saves and loads its training state, whichever engine the preset picks.
@@ -731,15 +754,10 @@ class AccelerateCheckpointIO:
         return dcp_write(self.model, _torch_optimizer(self.optimizer), extra)(folder)
 
     def barrier(self) -> None:
-        """Every rank waits for the others (the checkpointer's barrier). Under FSDP2 on a CPU, Accelerate 1.15 runs in
-        its distributed type ``NO`` (its FSDP mode is for accelerators), where ``wait_for_everyone`` returns at once:
-        the process group's own barrier then."""
-        import torch.distributed as dist
-
-        if is_fsdp2(self.ds_config) and dist.is_initialized():
-            dist.barrier()
-        else:
-            self.accelerator.wait_for_everyone()
+        """Every rank waits for the others (the checkpointer's barrier): the process group's own
+        (:func:`common.metrics.barrier`), since ``accelerator.wait_for_everyone`` returns at once under FSDP2 on a
+        CPU."""
+        barrier()
 
     def load(self, folder: Path) -> None:
         """Every rank: load the training state saved in ``folder``, re-sharded for this world size under FSDP2."""

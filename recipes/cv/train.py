@@ -67,7 +67,7 @@ from common.rundir import (
     set_cpu_threads,
     write_json_atomic,
 )
-from common.strategy import lightning_trainer_kwargs, make_optimizer, shard_model
+from common.strategy import gradient_norm, lightning_trainer_kwargs, make_optimizer, shard_model
 from cv.data import DataError, ImageData
 from cv.model import ModelError
 
@@ -98,6 +98,7 @@ class ImageClassifier(L.LightningModule):
         self.clock = clock
         self.micro_losses: list[torch.Tensor] = []  # this optimizer step's micro-batches
         self.step_losses: list[torch.Tensor] = []  # steps since the last log line
+        self.step_norm: torch.Tensor | None = None  # FSDP2: the last step's gradient norm before clipping
         self.metrics = MetricsLog(cfg.out_dir, enabled=False)
         self.summary: CVSummary | None = None
 
@@ -130,6 +131,11 @@ class ImageClassifier(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """FSDP2 presets: the gradient norm before the clipping Lightning does next (and whose norm it discards), for
+        the log. ZeRO presets: nothing (DeepSpeed clips in its step and keeps the norm)."""
+        self.step_norm = gradient_norm(self, self.ds_config)
+
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         pixels, labels = batch
         micro = self.trainer.global_step * self.cfg.grad_accum + len(self.micro_losses)
@@ -148,7 +154,7 @@ class ImageClassifier(L.LightningModule):
         self.micro_losses.clear()
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             losses = all_reduce(torch.stack(self.step_losses)) / self.trainer.world_size
-            last_norm = grad_norm(self.trainer.strategy.model)  # this step's, before clipping
+            last_norm = grad_norm(self.trainer.strategy.model, self.step_norm)  # this step's, before clipping
             for offset, loss in enumerate(losses.tolist()):  # one record per optimizer step
                 at = step - len(losses) + 1 + offset
                 norm = {"grad_norm": last_norm} if at == step else {}  # DeepSpeed keeps the last step's only

@@ -44,11 +44,11 @@ from tqdm.auto import tqdm
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
-from common.metrics import Clock, all_reduce, grad_norm
+from common.metrics import Clock, all_reduce, barrier, grad_norm
 from common.process_setup import setup_process
 from common.resume import find_resume_point, mark_universal, param_groups_kept, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
-from common.strategy import AccelerateCheckpointIO, accelerator_kwargs, make_optimizer, shard_model
+from common.strategy import AccelerateCheckpointIO, accelerator_kwargs, gradient_norm, make_optimizer, shard_model
 from cv.data import DataError
 from cv.model import ModelError
 
@@ -79,7 +79,7 @@ def main() -> None:
         write_run_files(cfg, out_dir, ds_config, data, world_size, device.type)
         if resume:  # the other ranks wait below (a universal conversion counts against collective_timeout_s)
             prepare_resume(resume, config_to_dict(cfg))
-    accelerator.wait_for_everyone()
+    barrier()  # the process group's: accelerator.wait_for_everyone returns at once under FSDP2 on a CPU
 
     shard_model(model, ds_config)  # FSDP2 presets: each block, then the root (ZeRO: DeepSpeed's, in prepare)
     optimizer = make_optimizer(
@@ -102,7 +102,7 @@ def main() -> None:
 
     metrics = MetricsLog(out_dir, enabled=accelerator.is_main_process)
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not accelerator.is_main_process)
-    step, micro_losses, step_losses = start_step, [], []
+    step, micro_losses, step_losses, step_norm = start_step, [], [], None
     engine.train()
     clock.skip()
     for pixels, labels in loader:
@@ -111,8 +111,8 @@ def main() -> None:
         with accelerator.accumulate(engine):
             loss = classification_loss(engine, pixels, labels, cfg.label_smoothing)  # bf16 pixels, fp32 loss
             accelerator.backward(loss)  # under DeepSpeed: backward, and the engine's step at the boundary
-            if accelerator.sync_gradients and cfg.gradient_clipping:  # DeepSpeed clips in its step; FSDP2 here
-                accelerator.clip_grad_norm_(engine.parameters(), cfg.gradient_clipping)
+            if accelerator.sync_gradients:  # FSDP2 clips here and returns the norm; DeepSpeed, in its step (None)
+                step_norm = gradient_norm(engine, ds_config, clip=True)
             optimizer.step()
             optimizer.zero_grad()
         micro_losses.append(loss.detach())
@@ -126,7 +126,7 @@ def main() -> None:
         bar.update(1)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:  # the only host sync of the loop's losses
             losses = all_reduce(torch.stack(step_losses)) / world_size
-            last_norm = grad_norm(engine)  # this step's, before clipping
+            last_norm = grad_norm(engine, step_norm)  # this step's, before clipping
             for offset, value in enumerate(losses.tolist()):  # one record per optimizer step
                 at = step - len(losses) + 1 + offset
                 norm = {"grad_norm": last_norm} if at == step else {}  # DeepSpeed keeps the last step's only

@@ -64,7 +64,7 @@ from common.rundir import (
     set_cpu_threads,
     write_json_atomic,
 )
-from common.strategy import lightning_trainer_kwargs, make_optimizer, shard_model
+from common.strategy import gradient_norm, lightning_trainer_kwargs, make_optimizer, shard_model
 from science.burgers import DataError
 from science.fno import relative_l2
 
@@ -93,6 +93,7 @@ class OperatorLearning(L.LightningModule):
         self.data, self.superres = data, superres
         self.metrics = MetricsLog(out_dir, enabled=False)
         self.losses: list[torch.Tensor] = []
+        self.step_norm: torch.Tensor | None = None  # FSDP2: the last step's gradient norm before clipping
         self.step_lr = 0.0
         self.last_step = start_step
         self.summary: ScienceSummary | None = None
@@ -133,6 +134,11 @@ class OperatorLearning(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """FSDP2 presets: the gradient norm before the clipping Lightning does next (and whose norm it discards), for
+        the log. ZeRO presets: nothing (DeepSpeed clips in its step and keeps the norm)."""
+        self.step_norm = gradient_norm(self, self.ds_config)
+
     def training_step(self, idx: torch.Tensor, batch_idx: int) -> torch.Tensor:
         idx = idx.to(self.device)
         loss = relative_l2(self(self.data.x_train[idx]), self.data.y_train[idx])
@@ -150,7 +156,7 @@ class OperatorLearning(L.LightningModule):
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the reduce and .item() are a collective and a host sync.
             loss = self.trainer.strategy.reduce(torch.stack(self.losses).mean(), reduce_op="mean").item()
-            norm = grad_norm(self.trainer.strategy.model)  # this step's, before clipping
+            norm = grad_norm(self.trainer.strategy.model, self.step_norm)  # this step's, before clipping
             self.metrics.log(step, train_rel_l2=loss, lr=self.step_lr, grad_norm=norm)
             self.log("rel_l2", loss, prog_bar=True)
             self.losses.clear()

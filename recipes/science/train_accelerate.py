@@ -40,11 +40,11 @@ from tqdm.auto import tqdm
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
-from common.metrics import Clock, all_reduce, grad_norm
+from common.metrics import Clock, all_reduce, barrier, grad_norm, main_process_first
 from common.process_setup import setup_process
 from common.resume import find_resume_point, mark_universal, param_groups_kept, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
-from common.strategy import AccelerateCheckpointIO, accelerator_kwargs, make_optimizer, shard_model
+from common.strategy import AccelerateCheckpointIO, accelerator_kwargs, gradient_norm, make_optimizer, shard_model
 from science.burgers import DataError
 from science.fno import relative_l2
 
@@ -66,8 +66,9 @@ def main() -> None:
     accelerator = Accelerator(**accelerator_kwargs(load_config, timeout=timedelta(seconds=cfg.collective_timeout_s)))
     rank, main_process = accelerator.process_index, accelerator.is_main_process
 
-    # The main process generates (and caches) the data first; the others then read the cache.
-    with accelerator.main_process_first():
+    # The main process generates (and caches) the data first; the others then read the cache. Over the process group:
+    # accelerator.main_process_first lets every rank in at once under FSDP2 on a CPU (common.metrics.barrier).
+    with main_process_first(main_process):
         data = load_data(cfg, workers=cfg.data_workers if main_process else 1)
         superres = None
         if cfg.data == "burgers" and cfg.superres_factor > 1:  # the same test samples, 4x finer
@@ -77,7 +78,7 @@ def main() -> None:
         write_run_files(out_dir, cfg, ds_config, world_size)
         if resume:  # the other ranks wait below (a universal conversion counts against collective_timeout_s)
             prepare_resume(resume, config_to_dict(cfg))
-    accelerator.wait_for_everyone()
+    barrier()  # the process group's, for the same reason
     data = data.to(accelerator.device)  # fp32: DeepSpeed bf16 casts the model, not the data
     x_train, y_train = data.x_train, data.y_train
 
@@ -104,7 +105,7 @@ def main() -> None:
     if start_step == 0:  # the untrained model's error: where the curve starts
         metrics.log(0, val_rel_l2=evaluate(model, data.x_test, data.y_test, rank, world_size))
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not main_process)
-    step, losses, step_lr = start_step, [], 0.0
+    step, losses, step_lr, step_norm = start_step, [], 0.0, None
     model.train()
     for idx in loader:
         idx = idx.to(accelerator.device)
@@ -112,8 +113,8 @@ def main() -> None:
             step_lr = optimizer.param_groups[0]["lr"]  # the lr this step's update uses
             loss = relative_l2(model(x_train[idx]), y_train[idx])
             accelerator.backward(loss)  # under DeepSpeed: backward, and the engine's step at the boundary
-            if accelerator.sync_gradients and cfg.gradient_clipping:  # DeepSpeed clips in its step; FSDP2 here
-                accelerator.clip_grad_norm_(model.parameters(), cfg.gradient_clipping)
+            if accelerator.sync_gradients:  # FSDP2 clips here and returns the norm; DeepSpeed, in its step (None)
+                step_norm = gradient_norm(model, ds_config, clip=True)
             optimizer.step()
             optimizer.zero_grad()
         losses.append(loss.detach())
@@ -127,7 +128,8 @@ def main() -> None:
             # common.metrics.all_reduce, not accelerator.reduce: under FSDP2 on a CPU Accelerate runs in its distributed
             # type NO, where reduce returns this rank's value.
             mean_loss = all_reduce(torch.stack(losses).mean()).item() / world_size
-            metrics.log(step, train_rel_l2=mean_loss, lr=step_lr, grad_norm=grad_norm(model))  # before clipping
+            norm = grad_norm(model, step_norm)  # this step's, before clipping
+            metrics.log(step, train_rel_l2=mean_loss, lr=step_lr, grad_norm=norm)
             bar.set_postfix(rel_l2=f"{mean_loss:.4f}")
             losses.clear()
         if step % cfg.eval_interval == 0 and step < cfg.max_steps:  # the last step is evaluated in finish()

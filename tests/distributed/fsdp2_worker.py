@@ -170,7 +170,9 @@ def train_fsdp2(config: str, init: str, rank: int, world: int, precision: str) -
         step_losses, norm = fsdp2_step(model, optimizer, rank, world)
         losses += step_losses
         norms.append(norm)
-    return losses, norms, fsdp2_model_state_bytes(model, optimizer)
+    with torch.no_grad():  # an evaluation forward leaves weights gathered (the root; every block under fsdp2_grad_op)
+        model(input_ids=micro_batch(0, rank, world))
+    return losses, norms, fsdp2_model_state_bytes(model, optimizer)  # still the shards: counted from FSDP2's records
 
 
 def run_torch(args: argparse.Namespace, rank: int, world: int) -> dict:

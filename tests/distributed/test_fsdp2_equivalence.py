@@ -10,8 +10,10 @@ gradient norm is 1.4-1.8 at every step, so clipping acts each time), 5 steps:
   ``common.fsdp2.lightning_fsdp2_trainer_kwargs``) and through Accelerate (the FSDP plugin at version 2 from
   ``common.fsdp2.accelerator_fsdp2_kwargs``), each against the same DeepSpeed runs;
 - activation checkpointing (``full``) on top of ``fully_shard`` changes no loss;
-- every rank holds a shard of every weight: the model-state bytes it counts (``common.fsdp2.model_state_bytes``)
-  are 4 B/param / 2 of parameters and 8 B/param / 2 of Adam's moments, from the parameter count of the saved model.
+- every rank holds a shard of every weight: the model-state bytes it counts
+  (``common.accounting.fsdp2_model_state_bytes``) are 4 B/param / 2 of parameters and 8 B/param / 2 of Adam's
+  moments, from the parameter count of the saved model, counted after an evaluation forward that leaves weights
+  gathered (the root's; every block's under fsdp2_grad_op).
 """
 
 from __future__ import annotations

@@ -3,22 +3,23 @@ accumulation 2, clipping 1.0, 6 optimizer steps, through ``train.py`` (Lightning
 (Accelerate, launched with the recipe's own ``accelerate.yaml``).
 
 Each FSDP2 run is compared with a run of the ZeRO preset it is measured against (real DeepSpeed sharding, same seed,
-so the same initial weights and batches): losses within 1e-5 relative at every step. Each ZeRO run also logs its
-gradient norm before clipping, which must exceed the clipping threshold at every step, so clipping acts in both
-(1.0 for science; the tiny Swin's norms stay under 1.0, so CV clips at 0.25). To keep the suite's
-time, each pair runs on one recipe, both front-ends: ``fsdp2`` vs ``deepspeed_stage_3`` on the science recipe,
-``fsdp2_grad_op`` vs ``deepspeed_stage_2`` on the CV recipe (6 launches of 2 processes). Fp32 ZeRO-2 and ZeRO-3 give
-the same losses (tests/distributed/test_fsdp2_equivalence.py compares all four on one model).
+so the same initial weights and batches): losses and logged gradient norms (before clipping) within 1e-5 relative at
+every step. The ZeRO run's norm must exceed the clipping threshold at every step, so clipping acts in both (1.0 for
+science; the tiny Swin's norms stay under 1.0, so CV clips at 0.25). Each FSDP2 run's model-state bytes count half
+of the fp32 weights on rank 0: its shards, although the final evaluation's forward leaves weights gathered. To keep
+the suite's time, each pair runs on one recipe, both front-ends: ``fsdp2`` vs ``deepspeed_stage_3`` on the science
+recipe, ``fsdp2_grad_op`` vs ``deepspeed_stage_2`` on the CV recipe (6 launches of 2 processes). Fp32 ZeRO-2 and
+ZeRO-3 give the same losses (tests/distributed/test_fsdp2_equivalence.py compares all four on one model).
 
 Resume: each science ``fsdp2`` run saves DCP checkpoints in the background (``async_save=true``) at steps 3 and 6; a
-copy of the step-3 one resumes on 1 process (micro_batch_size doubled: the same global batch; Lightning's loop counts
-the resumed epoch's batches from the checkpoint, so grad_accum stays) and must log the
-uninterrupted 2-process run's losses for steps 4-6 within 1e-6.
+copy of the step-3 one resumes on 1 process (both front-ends) and on 4 (Accelerate), the global batch kept, and must
+log the uninterrupted 2-process run's losses for steps 4-6 within 1e-6.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -120,19 +121,30 @@ def test_fsdp2_losses_match_the_zero_counterpart(runs, recipe, fsdp2, zero, zero
     for step in reference:
         expected, loss = reference[step][key], actual[step][key]
         assert abs(loss - expected) <= FP32_RTOL * abs(expected), (recipe, fsdp2, front_end, step, loss, expected)
-    # Counted from the tensors rank 0 holds: a half of the fp32 weights (its shards, with padding), not all of them.
-    # Under fsdp2_grad_op the count comes after the final evaluation's forward, which leaves the weights gathered
-    # (no backward reshards them), so only fsdp2's is checked here.
+        # The logged norm before clipping: the front-end's clipping measures it under FSDP2, DeepSpeed's engine under
+        # ZeRO; the same gradients give the same norm.
+        expected, norm = reference[step]["grad_norm"], actual[step]["grad_norm"]
+        assert math.isfinite(norm) and abs(norm - expected) <= FP32_RTOL * expected, (fsdp2, front_end, step, norm)
+    # Counted from the shards rank 0 holds: a half of the fp32 weights (with padding), not all of them, under both
+    # presets, although the count follows the final evaluation's forward, which leaves the root's weights gathered
+    # (and, under fsdp2_grad_op, every block's: no backward reshards them).
     summary = json.loads((runs[recipe, fsdp2, front_end] / "summary.json").read_text())
     assert summary["preset"] == fsdp2
-    if fsdp2 == "fsdp2":
-        assert 0.5 <= summary["model_state_breakdown"]["params"] / (4 * summary["num_params"]) < 0.6, summary
+    assert 0.5 <= summary["model_state_breakdown"]["params"] / (4 * summary["num_params"]) < 0.6, summary
+
+
+# (front-end, processes, micro_batch_size, grad_accum) of a resume: the global batch of 20 samples kept. Lightning's
+# loop counts the resumed epoch's batches from the checkpoint, so its grad_accum stays; on 4 processes 5 samples per
+# rank make one micro-batch (Accelerate's loop takes a changed grad_accum).
+RESUMES = [("lightning", 1, 10, 2), ("accelerate", 1, 10, 2), ("accelerate", 4, 5, 1)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("front_end", FRONT_ENDS)
-def test_a_two_process_fsdp2_checkpoint_resumes_on_one_process(runs, tmp_path, front_end):
-    """The checkpoint is DCP's: every rank's shards, re-sharded on load for the one process."""
+@pytest.mark.parametrize(("front_end", "processes", "micro_batch_size", "grad_accum"), RESUMES)
+def test_a_two_process_fsdp2_checkpoint_resumes_on_another_process_count(
+    runs, tmp_path, front_end, processes, micro_batch_size, grad_accum
+):
+    """The checkpoint is DCP's: every rank's shards, re-sharded on load for 1 process or 4."""
     whole = runs["science", "fsdp2", front_end]
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
@@ -151,9 +163,10 @@ def test_a_two_process_fsdp2_checkpoint_resumes_on_one_process(runs, tmp_path, f
         "science",
         front_end,
         resumed,
-        processes=1,
+        processes=processes,
         preset="fsdp2",
-        micro_batch_size=10,
+        micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum,
         resume="true",
         cache_dir=whole.parent / "burgers-cache",
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from common.fsdp2 import (
     ZERO_ONLY_FEATURES,
     accelerator_fsdp2_kwargs,
     checkpoint_parts,
+    clip_grad_norm,
     consolidate_checkpoint,
     dcp_write,
     get_fsdp2_preset,
@@ -21,6 +24,7 @@ from common.fsdp2 import (
     mixed_precision_policy,
     refuse_zero_only_features,
 )
+from common.metrics import grad_norm
 from common.presets import PRESETS
 from common.strategy import accelerate_fsdp2_config
 
@@ -79,8 +83,12 @@ def test_features_left_at_their_defaults_are_not_refused():
     refuse_zero_only_features("fsdp2", {**defaults, "pipeline_parallel": 1, "offload_param": False})
 
 
-def test_front_end_arguments_leave_precision_to_the_policy():
+def test_front_end_arguments_leave_precision_to_the_policy(monkeypatch):
     from lightning.pytorch.strategies import ModelParallelStrategy
+
+    # As under a launcher: without one, accelerator_fsdp2_kwargs starts a process group of its own, which would outlive
+    # this test and break the next one that starts a default group.
+    monkeypatch.setenv("WORLD_SIZE", "1")
 
     lightning = lightning_fsdp2_trainer_kwargs(world_size=4, grad_accum=2, gradient_clipping=1.0)
     strategy = lightning["strategy"]
@@ -179,3 +187,29 @@ def test_a_deferred_dcp_save_writes_the_state_as_it_was_at_the_call(tmp_path):
     loaded = {"model": {name: torch.zeros_like(value) for name, value in model.state_dict().items()}}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"))
     assert torch.equal(loaded["model"]["weight"], weight)
+
+
+def test_clipping_returns_the_norm_before_clipping_and_scales_the_gradients_to_the_threshold():
+    """One process, plain tensors (the sharded DTensors on 2 processes are compared with DeepSpeed's norm in
+    tests/recipes/test_fsdp2_recipes.py); the reference norm is summed here by hand."""
+    torch.manual_seed(0)
+    params = [
+        torch.nn.Parameter(torch.randn(3, 4)),
+        torch.nn.Parameter(torch.randn(5)),
+        torch.nn.Parameter(torch.ones(2)),
+    ]
+    grads = [torch.randn(3, 4), torch.randn(5)]
+    for param, grad in zip(params, grads, strict=False):
+        param.grad = grad.clone()  # the third has none (frozen): left out
+    expected = math.sqrt(sum(float((grad**2).sum()) for grad in grads))
+
+    norm = clip_grad_norm(params, max_norm=0.0)  # measured only
+    assert norm.item() == pytest.approx(expected, rel=1e-6) and norm.dim() == 0
+    assert all(torch.equal(param.grad, grad) for param, grad in zip(params, grads, strict=False))
+
+    norm = clip_grad_norm(params, max_norm=expected / 4)
+    assert norm.item() == pytest.approx(expected, rel=1e-6)  # before clipping
+    for param, grad in zip(params, grads, strict=False):
+        torch.testing.assert_close(param.grad, grad / 4, rtol=1e-5, atol=0)
+    assert grad_norm(engine=None, measured=norm) == pytest.approx(expected, rel=1e-6)  # what the loop logs
+    assert math.isnan(grad_norm(engine=None))  # no engine norm, none measured yet

@@ -122,8 +122,12 @@ def test_the_factory_resolves_an_fsdp2_run_with_the_zero_presets_batch_and_clipp
     assert precision_of(resolve_deepspeed_config("fsdp2", RunFacts())) == "bf16"  # the presets' default
 
 
-def test_the_front_end_adapters_hand_each_front_end_fsdp2():
+def test_the_front_end_adapters_hand_each_front_end_fsdp2(monkeypatch):
     from lightning.pytorch.strategies import ModelParallelStrategy
+
+    # As under a launcher: without one, the Accelerate adapter starts a process group of its own, which would outlive
+    # this test and break the next one that starts a default group.
+    monkeypatch.setenv("WORLD_SIZE", "1")
 
     config = resolve_deepspeed_config("fsdp2_grad_op", RunFacts(world_size=2, grad_accum=2, precision="bf16"))
     lightning = lightning_trainer_kwargs(config)
