@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.communication import plan_communication, setup_from_ds_config
+from common.communication import plan_communication, setup_from_ds_config, with_recipe_moe
 from common.describe import RecipeDescription
 from common.parallel import ParallelLayout
 
@@ -286,7 +286,9 @@ def communication_beside_plan(steps: list[dict], run: RecipeDescription, param_g
         sequence=int(cfg.get("sequence_parallel") or 1),
     )
     tokens = run.micro_batch_size * (run.seq_len or 0)
-    setup = setup_from_ds_config(run.ds_config, tokens, run.devices_per_node, param_groups=param_groups)
+    setup = with_recipe_moe(
+        setup_from_ds_config(run.ds_config, tokens, run.devices_per_node, param_groups=param_groups), cfg
+    )
     try:
         planned = plan_communication(run.model, setup, layout).by_collective()
     except ValueError:  # a layout the planner does not model: the logged figures stand alone

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.errors import ConfigError, nearest
@@ -226,6 +226,25 @@ def setup_from_ds_config(
         tokens_per_micro_batch=tokens_per_micro_batch,
         ranks_per_node=ranks_per_node,
         param_groups=param_groups,
+    )
+
+
+def with_recipe_moe(setup: CommSetup, recipe_config: dict[str, Any]) -> CommSetup:
+    """``setup`` with the MoE routing a recipe config states: its ``moe_drop_tokens`` and ``moe_min_capacity``
+    (the NLP recipe passes both to DeepSpeed's MoE layer; a config without them keeps DeepSpeed MoE as the recipe
+    builds it by default: no token dropped).
+
+    Args:
+        setup: the collectives' setup from the DeepSpeed config (:func:`setup_from_ds_config`).
+        recipe_config: the recipe's resolved config as a dict.
+
+    Returns:
+        The setup with ``moe_drop_tokens`` and ``moe_min_capacity`` from the recipe config.
+    """
+    return replace(
+        setup,
+        moe_drop_tokens=bool(recipe_config.get("moe_drop_tokens", False)),
+        moe_min_capacity=int(recipe_config.get("moe_min_capacity", setup.moe_min_capacity)),
     )
 
 

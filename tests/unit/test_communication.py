@@ -21,6 +21,7 @@ from common.communication import (
     setup_from_ds_config,
     step_share,
     suggested_bucket_elements,
+    with_recipe_moe,
 )
 from common.errors import ConfigError
 from common.memory_formulas import ModelFacts, assumed_transformer
@@ -283,3 +284,13 @@ def test_expert_all_to_all_with_token_dropping_is_every_slot_at_its_capacity():
     # Without dropping the slot follows the routing: the factor is the measured one (1.0: even, a lower bound).
     message, _ = expert_all_to_all(moe_drop_tokens=False, moe_capacity_factor=1.0, moe_top_k=2)
     assert message == 24 * 2 * 128 * 256 * 2
+
+
+def test_the_recipes_token_dropping_keys_reach_the_plan():
+    """A recipe config's ``moe_drop_tokens`` and ``moe_min_capacity`` set the planner's; a config without them plans
+    DeepSpeed MoE as the recipe builds it by default (no token dropped, DeepSpeed's minimum slot of 4)."""
+    base = setup_from_ds_config({"zero_optimization": {"stage": 2}}, 128)
+    dropping = with_recipe_moe(base, {"moe_drop_tokens": True, "moe_min_capacity": 40})
+    assert (dropping.moe_drop_tokens, dropping.moe_min_capacity, dropping.stage) == (True, 40, 2)
+    default = with_recipe_moe(base, {"model": "moe_tiny"})
+    assert (default.moe_drop_tokens, default.moe_min_capacity) == (False, 4)
