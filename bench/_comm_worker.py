@@ -5,7 +5,7 @@
 Each row (a preset, gradient accumulation, precision, DeepSpeed overrides) builds the NLP recipe's tiny Llama the way
 the recipe does (inside ``deepspeed.zero.Init`` at stage 3, the factory's DeepSpeed config, AdamW or DeepSpeed's
 CPU Adam under offload), trains ``--steps`` optimizer steps on fixed random tokens with DeepSpeed's ``comms_logger``
-on, and records per step: the logged calls (per op and message size, common.tools.comms_log), the step's wall time,
+on, and records per step: the logged calls (per op and message size, common.comms_log), the step's wall time,
 and the seconds the training thread spent in collectives: a synchronous call's logged latency plus the time it waited
 for stage 3's asynchronous all-gathers (``AllGather*Handle.wait``, timed here: the logger times only their launch).
 Rows run one after the other in one group; rank 0 writes every rank's records to OUT.json.
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from common.comms_log import snapshot_difference, take_snapshot
 from common.host_memory import keep_freed_memory
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
-from common.tools.comms_log import snapshot_difference, take_snapshot
 from nlp.model import build_llama_config, build_model_from_config
 
 VOCAB, HIDDEN = 4096, 256

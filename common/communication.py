@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.errors import ConfigError, nearest
@@ -151,9 +151,14 @@ class CommSetup:
         tokens_per_micro_batch: micro batch x sequence length per replica: the activations that TP, SP and EP send.
         ranks_per_node: ranks on one node (None: all on one node): which groups cross the network.
         param_groups: optimizer parameter groups (stages 1-2 all-gather each group's partition in one call).
-        moe_capacity_factor: tokens an expert receives over its even share (DeepSpeed MoE pads every expert's slot to
-            the busiest one when it drops no token: 1.0 is perfectly even routing, a lower bound).
+        moe_capacity_factor: with ``moe_drop_tokens``, DeepSpeed MoE's ``capacity_factor``: every expert's slot holds
+            that many times its even share of the tokens, exactly (:func:`expert_capacity`). Without, the effective
+            factor: DeepSpeed pads every slot to the busiest expert's load, which follows the routing; 1.0 is perfectly
+            even routing, a lower bound.
         moe_top_k: experts each token goes to.
+        moe_drop_tokens: DeepSpeed MoE's ``drop_tokens``: slots of a fixed capacity (tokens beyond it are dropped), so
+            the all-to-all's bytes do not depend on the routing.
+        moe_min_capacity: DeepSpeed MoE's ``min_capacity``: the smallest slot with ``moe_drop_tokens``.
     """
 
     stage: int
@@ -173,6 +178,8 @@ class CommSetup:
     param_groups: int = 1
     moe_capacity_factor: float = 1.0
     moe_top_k: int = 2
+    moe_drop_tokens: bool = False
+    moe_min_capacity: int = 4
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -219,6 +226,25 @@ def setup_from_ds_config(
         tokens_per_micro_batch=tokens_per_micro_batch,
         ranks_per_node=ranks_per_node,
         param_groups=param_groups,
+    )
+
+
+def with_recipe_moe(setup: CommSetup, recipe_config: dict[str, Any]) -> CommSetup:
+    """``setup`` with the MoE routing a recipe config states: its ``moe_drop_tokens`` and ``moe_min_capacity``
+    (the NLP recipe passes both to DeepSpeed's MoE layer; a config without them keeps DeepSpeed MoE as the recipe
+    builds it by default: no token dropped).
+
+    Args:
+        setup: the collectives' setup from the DeepSpeed config (:func:`setup_from_ds_config`).
+        recipe_config: the recipe's resolved config as a dict.
+
+    Returns:
+        The setup with ``moe_drop_tokens`` and ``moe_min_capacity`` from the recipe config.
+    """
+    return replace(
+        setup,
+        moe_drop_tokens=bool(recipe_config.get("moe_drop_tokens", False)),
+        moe_min_capacity=int(recipe_config.get("moe_min_capacity", setup.moe_min_capacity)),
     )
 
 
@@ -505,6 +531,26 @@ def _experts(expert_numel: int, setup: CommSetup, layout: ParallelLayout, grad_b
     return transfers
 
 
+def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float, min_capacity: int) -> int:
+    """Tokens in each expert's slot of a micro-batch when DeepSpeed MoE drops tokens (``drop_tokens=True``).
+
+    ``deepspeed/moe/sharded_moe.py``: ``_capacity`` gives ceil(tokens / experts x factor), at least ``min_capacity``;
+    top-1 gating passes ``capacity_factor``, top-2 ``2 x capacity_factor``, top-k ``k x capacity_factor``. Every
+    slot is padded to it, so the dispatched buffer is experts x capacity x hidden whatever the routing.
+
+    Args:
+        tokens: tokens of this rank's micro-batch (micro batch x sequence length).
+        num_experts: experts of the MoE layer in total (over the expert-parallel ranks).
+        top_k: experts each token goes to.
+        capacity_factor: DeepSpeed MoE's ``capacity_factor``.
+        min_capacity: DeepSpeed MoE's ``min_capacity``.
+
+    Returns:
+        The slot's tokens.
+    """
+    return max(math.ceil(tokens / num_experts * (capacity_factor * top_k)), min_capacity)
+
+
 def _activations(facts: ModelFacts, setup: CommSetup, layout: ParallelLayout) -> list[Transfer]:
     """TP, SP and EP traffic: activations of a micro-batch, forward and backward, per layer of this rank's stage."""
     tokens = setup.tokens_per_micro_batch
@@ -562,8 +608,14 @@ def _activations(facts: ModelFacts, setup: CommSetup, layout: ParallelLayout) ->
             )
         )
     if layout.expert > 1 and facts.num_experts:
-        # Dispatch and combine, forward and backward: top-k copies of each token, padded to the busiest expert.
-        message = setup.moe_top_k * tokens * setup.moe_capacity_factor * h * p
+        # Dispatch and combine, forward and backward: the (experts, capacity, hidden) buffer of every expert's slot.
+        if setup.moe_drop_tokens:
+            capacity = expert_capacity(
+                tokens, facts.num_experts, setup.moe_top_k, setup.moe_capacity_factor, setup.moe_min_capacity
+            )
+            message = facts.num_experts * capacity * h * p
+        else:  # top-k copies of each token, padded to the busiest expert: the factor is the routing's
+            message = setup.moe_top_k * tokens * setup.moe_capacity_factor * h * p
         transfers.append(
             Transfer(
                 "all_to_all",

@@ -11,6 +11,9 @@ through :func:`setup_process`, and rank 0 prints one banner listing each, whethe
   step reuses what the step before freed; not under CPU/NVMe offload, where it raised the resident memory. Off:
   ``ZR_KEEP_FREED_MEMORY=off`` (``=on`` keeps it on offload runs too).
 
+A fourth only when the DeepSpeed config asks for it (``comms_logger.enabled``): **communication log per step**
+(:mod:`common.comms_log`), DeepSpeed's collectives cut at each optimizer step for ``summary.json``.
+
 The factory's adapters (``common.strategy.lightning_trainer_kwargs``, ``accelerator_kwargs``) call
 :func:`setup_process` too, so that a user's own script calling only them gets the same process; a second call
 updates the hang settings and prints nothing.
@@ -26,6 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from common.comms_log import logs_communication, setup_comms_log
 from common.host_memory import SWITCH_ENV as KEEP_FREED_MEMORY_ENV
 from common.host_memory import keep_freed_memory, keeps_freed_memory_by_default, switch_setting, user_configured_malloc
 from common.rundir import launcher_rank
@@ -56,10 +60,12 @@ class ProcessSetup:
     hang_detection: ProcessSetting
     zero_init_dtype: ProcessSetting
     freed_memory_kept: ProcessSetting
+    communication_log: ProcessSetting | None = None  # only when the config's comms_logger asks for it
 
     @property
     def settings(self) -> tuple[ProcessSetting, ...]:
-        return (self.hang_detection, self.zero_init_dtype, self.freed_memory_kept)
+        optional = (self.communication_log,) if self.communication_log else ()
+        return (self.hang_detection, self.zero_init_dtype, self.freed_memory_kept, *optional)
 
     def banner(self) -> str:
         """The lines rank 0 prints at start: every setting, whether it is on, and how to flip it."""
@@ -147,6 +153,19 @@ def announce_once(setup: ProcessSetup) -> None:
         print(setup.banner(), file=sys.stderr, flush=True)
 
 
+def communication_log_setting(ds_config: dict[str, Any]) -> ProcessSetting | None:
+    """Log DeepSpeed's collectives per optimizer step (common.comms_log) when the config's ``comms_logger`` is on."""
+    if not logs_communication(ds_config):
+        return None
+    setup_comms_log()
+    return ProcessSetting(
+        "communication log per step",
+        True,
+        "DeepSpeed's comms_logger on, DeepSpeedEngine._take_model_step wrapped; summary.json gets 'communication'",
+        "comms_logger.enabled=false",
+    )
+
+
 def setup_process(
     ds_config: dict[str, Any],
     timeout: timedelta | None = None,
@@ -186,6 +205,7 @@ def setup_process(
             f"{ZERO_INIT_DTYPE_ENV}=off" if zero_init else f"unset {ZERO_INIT_DTYPE_ENV}",
         ),
         freed_memory_kept=allocator_setting(kept, offload),
+        communication_log=communication_log_setting(ds_config),
     )
     if announce:
         announce_once(setup)

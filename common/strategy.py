@@ -76,6 +76,7 @@ DEEPSPEED_TOP_LEVEL_KEYS = (
     "flops_profiler",
     "memory_breakdown",
     "dump_state",
+    "comms_logger",  # "enabled": summary.json gets the bytes per collective per step (common.comms_log)
 )
 
 # DeepSpeed 0.19's ``aio`` keys (deepspeed/runtime/swap_tensor/constants.py); anything else is silently ignored there.

@@ -98,6 +98,8 @@ class MixtureOfExperts:
 
     aux_loss_coef: float
     expert_parallel: int
+    drop_tokens: bool = False
+    min_capacity: int = 4
     moe = True
 
     def config(self, size: str, vocab_size: int | None, tokenizer: Any, seq_len: int, **shape: int) -> MixtralConfig:
@@ -105,7 +107,9 @@ class MixtureOfExperts:
 
     def build(self, config: Any, attention: str, seed: int, expert_rank: int = 0) -> torch.nn.Module:
         """This rank's experts (``expert_rank`` of ``expert_parallel``), each seeded by its global index."""
-        return build_moe_model(config, self.expert_parallel, expert_rank, seed, attention)
+        return build_moe_model(
+            config, self.expert_parallel, expert_rank, seed, attention, self.drop_tokens, self.min_capacity
+        )
 
     def loss(self, lm_loss: torch.Tensor, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(LM loss + ``aux_loss_coef`` x the routers' load-balancing loss summed over layers, that loss)."""
@@ -136,15 +140,18 @@ class MixtureOfExperts:
             "expert_parallel": self.expert_parallel,
             "aux_loss_coef": self.aux_loss_coef,
             "aux_loss": aux_losses[-1] if aux_losses else None,
-            "drop_tokens": False,
+            "drop_tokens": self.drop_tokens,
+            "min_capacity": self.min_capacity,
         }
 
 
 ModelFamily = DenseLlama | MixtureOfExperts
 
 
-def model_family(model: str, aux_loss_coef: float = 0.0, expert_parallel: int = 1) -> ModelFamily:
+def model_family(
+    model: str, aux_loss_coef: float = 0.0, expert_parallel: int = 1, drop_tokens: bool = False, min_capacity: int = 4
+) -> ModelFamily:
     """The family of a named size (:data:`MODEL_SIZES`); a local model folder trains as it is, a dense model."""
     if model in MOE_SIZES:
-        return MixtureOfExperts(aux_loss_coef, expert_parallel)
+        return MixtureOfExperts(aux_loss_coef, expert_parallel, drop_tokens, min_capacity)
     return DenseLlama()

@@ -8,9 +8,11 @@ expert parallelism (the all-to-all, the expert groups ZeRO reduces over) lives t
 Mixtral's own block, does not run with the installed transformers (docs/moe.md).
 
 The routing is made deterministic so that expert parallelism changes no arithmetic: no random token selection
-(``use_rts=False``), no sampled second expert (``top2_2nd_expert_sampling=False``), no dropped tokens
-(``drop_tokens=False``: every expert takes all the tokens routed to it), and every expert initialised from its
-global index, whichever rank holds it.
+(``use_rts=False``), no sampled second expert (``top2_2nd_expert_sampling=False``), and every expert initialised
+from its global index, whichever rank holds it. By default no token is dropped (``drop_tokens=False``: every expert
+takes all the tokens routed to it); the recipe's ``moe_drop_tokens`` gives every expert a slot of DeepSpeed's fixed
+capacity (ceil(tokens / experts x k x capacity_factor), at least ``moe_min_capacity``) and drops the tokens beyond
+it, which fixes the all-to-all's size.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ class GatedMLP(nn.Module):
 class DeepSpeedMoEBlock(nn.Module):
     """A decoder layer's MLP as DeepSpeed MoE: output as the dense MLP's; the load-balancing loss kept in ``l_aux``."""
 
-    def __init__(self, config: MixtralConfig, expert_parallel: int) -> None:
+    def __init__(
+        self, config: MixtralConfig, expert_parallel: int, drop_tokens: bool = False, min_capacity: int = 4
+    ) -> None:
         super().__init__()
         from deepspeed.moe.layer import MoE
 
@@ -95,8 +99,8 @@ class DeepSpeedMoEBlock(nn.Module):
             num_experts=config.num_local_experts,
             ep_size=expert_parallel,
             k=config.num_experts_per_tok,
-            min_capacity=0,
-            drop_tokens=False,  # no capacity limit: no token is dropped, whatever the expert-parallel size
+            min_capacity=min_capacity,  # the smallest slot when tokens are dropped
+            drop_tokens=drop_tokens,  # False: no capacity limit, no token dropped, whatever the expert-parallel size
             use_rts=False,  # random token selection would make the routing depend on the RNG
             top2_2nd_expert_sampling=False,  # Mixtral's top-2: the two largest gates, no sampled second expert
         )
@@ -111,8 +115,17 @@ def moe_blocks(model: nn.Module) -> list[DeepSpeedMoEBlock]:
     return [m for m in model.modules() if isinstance(m, DeepSpeedMoEBlock)]
 
 
-def build_moe_model(config: MixtralConfig, expert_parallel: int, ep_rank: int, seed: int, attention: str) -> Any:
-    """MixtralForCausalLM with DeepSpeed MoE blocks, this rank's experts (``ep_rank`` of ``expert_parallel``).
+def build_moe_model(
+    config: MixtralConfig,
+    expert_parallel: int,
+    ep_rank: int,
+    seed: int,
+    attention: str,
+    drop_tokens: bool = False,
+    min_capacity: int = 4,
+) -> Any:
+    """MixtralForCausalLM with DeepSpeed MoE blocks, this rank's experts (``ep_rank`` of ``expert_parallel``);
+    ``drop_tokens`` and ``min_capacity`` are DeepSpeed MoE's (the recipe's ``moe_drop_tokens``, ``moe_min_capacity``).
 
     Dense weights come from ``torch.manual_seed(seed)`` as in the dense model; each MoE weight from a generator
     seeded by (seed, layer, global expert index), so expert ``g`` has the same weights on whichever rank holds it.
@@ -124,7 +137,7 @@ def build_moe_model(config: MixtralConfig, expert_parallel: int, ep_rank: int, s
     local = config.num_local_experts // expert_parallel
     std = config.initializer_range
     for layer_index, layer in enumerate(model.model.layers):
-        block = DeepSpeedMoEBlock(config, expert_parallel)
+        block = DeepSpeedMoEBlock(config, expert_parallel, drop_tokens, min_capacity)
         with torch.no_grad():
             router = torch.Generator().manual_seed(seed * 1_000_003 + layer_index * 1009 + 1007)
             block.moe.deepspeed_moe.gate.wg.weight.normal_(0.0, std, generator=router)

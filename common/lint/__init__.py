@@ -223,7 +223,9 @@ def lint_at_start(
     """
     from common.rundir import is_launcher_rank_zero
 
-    findings = lint_run(ds_config, recipe_config, hidden_size=hidden_size, world_size=world_size)
+    world = world_size or _world_from_ds(ds_config)
+    per_node = max(1, world // (recipe_config.get("num_nodes") or 1))  # the network rules count nodes
+    findings = lint_run(ds_config, recipe_config, hidden_size=hidden_size, world_size=world, ranks_per_node=per_node)
     if is_launcher_rank_zero():
         print_findings(findings)
     if has_errors(findings):

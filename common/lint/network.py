@@ -1,9 +1,12 @@
-"""Rules on the network a run crosses (``zero-recipes lint --network LINK``): stage 3 over a slow link between nodes,
-buckets out of scale with the link. Without ``--network`` they say nothing."""
+"""Rules on the network a run crosses: stage 3 over a slow link between nodes, buckets out of scale with the link.
+
+The network is stated by ``zero-recipes lint --network LINK`` or by a recipe config's ``network`` key (a link class or a
+rate, ``common.communication.parse_link``), so the rules run wherever lint does: the command on a recipe YAML, and
+every recipe at its start (``common.lint.lint_at_start``). Without a stated network they say nothing."""
 
 from __future__ import annotations
 
-from common.communication import GBPS, suggested_bucket_elements
+from common.communication import GBPS, Link, parse_link, suggested_bucket_elements
 from common.lint.view import Finding, LintView, Rule
 from common.memory_formulas import WORKING_BYTES, fmt_gb
 
@@ -14,9 +17,22 @@ FAST_NETWORK_BYTES_PER_S = 100 * GBPS
 BUCKET_SCALE_FACTOR = 4
 
 
+def stated_network(view: LintView) -> Link | None:
+    """The link the data-parallel group crosses: the ``--network`` flag's, else the recipe config's ``network`` key;
+    None when neither states one.
+
+    Raises:
+        ConfigError: a ``network`` key that names no link (the message names the nearest link class).
+    """
+    if view.network is not None:
+        return view.network
+    name = (view.recipe_config or {}).get("network")
+    return parse_link(str(name)) if name else None
+
+
 def rule_stage3_slow_network(view: LintView) -> list[Finding]:
     """Stage 3 across nodes over a link below 100 Gbit/s: three times the parameter bytes every micro-batch."""
-    link = view.network
+    link = stated_network(view)
     nodes = view.world_size // max(1, view.ranks_per_node)
     if link is None or view.stage != 3 or nodes <= 1 or link.bus_bytes_per_s >= FAST_NETWORK_BYTES_PER_S:
         return []
@@ -42,7 +58,7 @@ def rule_stage3_slow_network(view: LintView) -> list[Finding]:
 def rule_bucket_link_scale(view: LintView) -> list[Finding]:
     """reduce/allgather buckets more than 4x off the size the link moves in 5 ms (smaller buckets on a slow
     network, larger on a fast interconnect: each call should take a few ms, not hide behind its latency)."""
-    link = view.network
+    link = stated_network(view)
     if link is None or view.stage == 0:
         return []
     precision = view.precision if view.precision in WORKING_BYTES else "bf16"

@@ -40,6 +40,7 @@ from typing import Any
 from tqdm import tqdm
 
 from common.activation import check_preset
+from common.comms_log import comms_log_env
 from common.describe import RecipeDescription
 from common.errors import ConfigError, nearest
 from common.machine import local_device_memory
@@ -48,7 +49,6 @@ from common.parallel import check_sequence_parallel
 from common.presets import ALL_PRESET_NAMES, FSDP2_PRESETS, get_preset, is_fsdp2_name
 from common.rundir import free_port
 from common.strategy import write_accelerate_files
-from common.tools.comms_log import comms_log_env
 from common.tools.options import refuse_outside_mode
 from common.tools.probe_report import (
     ProbeResult,
@@ -201,7 +201,7 @@ COMMS_LOG_STEPS = 3
 
 def with_comms_log(command: list[str], folder: Path) -> list[str]:
     """``command`` under ``env``, with DeepSpeed's communication log of each rank's first steps going to ``folder``
-    (common.tools.comms_log): visible in the report's command."""
+    (common.comms_log): visible in the report's command."""
     variables = comms_log_env(folder, COMMS_LOG_STEPS)
     return ["env", *(f"{name}={value}" for name, value in variables.items()), *command]
 

@@ -10,12 +10,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.communication import plan_communication, setup_from_ds_config
+from common.comms_log import communication_beside_plan, read_comms_log
 from common.config import dump_yaml
 from common.describe import RecipeDescription
 from common.memory_formulas import link_seconds_range, offload_traffic
-from common.parallel import ParallelLayout
-from common.tools.comms_log import median_step, read_comms_log, steady_steps
 from common.tools.recipes import describe
 
 # Keys the probe sets on every candidate; the recommended config takes them from the base config instead.
@@ -197,41 +195,10 @@ def format_offload_timing(timing: list[dict[str, Any]]) -> list[str]:
 
 
 def communication_summary(log_folder: Path, run: RecipeDescription) -> dict[str, Any] | None:
-    """A candidate's communication per optimizer step: rank 0's DeepSpeed log (common.tools.comms_log; the median
-    over the steps after the first) beside the planner's bytes for the same config (common.communication).
-
-    Returns ``{"steps": n, "collectives": {name: {"logged_bytes", "calls", "logged_s", "planned_bytes"}}}``, or None
-    when the run logged no step (it failed before its first optimizer step).
-    """
+    """A candidate's communication per optimizer step: rank 0's DeepSpeed log beside the planner's bytes for the same
+    config (common.comms_log.communication_beside_plan; None when the run logged no step after the first)."""
     ranks = read_comms_log(log_folder) if log_folder.is_dir() else {}
-    steps = steady_steps(ranks.get(0, []))
-    if not steps:
-        return None
-    logged = median_step(steps)
-    cfg = run.config
-    layout = ParallelLayout(
-        world_size=run.world_size,
-        tensor=int(cfg.get("tensor_parallel") or 1),
-        expert=int(cfg.get("expert_parallel") or 1),
-        sequence=int(cfg.get("sequence_parallel") or 1),
-    )
-    tokens = run.micro_batch_size * (run.seq_len or 0)
-    setup = setup_from_ds_config(run.ds_config, tokens, run.devices_per_node, param_groups=2)
-    try:
-        planned = plan_communication(run.model, setup, layout).by_collective()
-    except ValueError:  # a layout the planner does not model: the logged figures stand alone
-        planned = {}
-    names = [n for n in (*planned, *logged) if n not in ("broadcast",)]
-    collectives = {}
-    for name in dict.fromkeys(names):
-        seen = logged.get(name, {})
-        collectives[name] = {
-            "logged_bytes": seen.get("bytes", 0.0),
-            "calls": seen.get("calls", 0.0),
-            "logged_s": seen.get("seconds", 0.0),
-            "planned_bytes": planned.get(name, 0.0),
-        }
-    return {"steps": len(steps), "collectives": collectives}
+    return communication_beside_plan(ranks.get(0, []), run, param_groups=2)
 
 
 def format_communication(rows: list[ProbeRow]) -> list[str]:

@@ -23,6 +23,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from common.accounting import model_state_bytes
 from common.activation import apply_activation_checkpointing
 from common.checkpoint import gather_full_state_dict, save_hf_model
+from common.comms_log import communication_beside_plan, logged_steps, logs_communication
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
 from common.describe import RecipeDescription, local_world
@@ -311,9 +312,13 @@ class CVSummary:
     steps: int
     resumed_from_step: int | None
     export_check: dict[str, Any]
+    communication: dict[str, Any] | None = None  # with comms_logger.enabled: logged bytes per step beside the plan
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        summary = dataclasses.asdict(self)
+        if self.communication is None:
+            del summary["communication"]
+        return summary
 
     def headline(self, out_dir: Path) -> str:
         """The line printed when the run ends."""
@@ -321,6 +326,15 @@ class CVSummary:
             f"val_accuracy {self.val_accuracy:.4f} (majority class {self.majority_baseline_accuracy:.3f}); "
             f"{self.throughput['value']:.0f} samples/s/device; wall {self.wall_time_s:.0f} s; run directory {out_dir}"
         )
+
+
+def logged_communication(cfg: CVConfig, ds_config: dict[str, Any], model: torch.nn.Module) -> dict[str, Any] | None:
+    """``summary.json``'s ``communication`` when the config turns DeepSpeed's ``comms_logger`` on: this rank's
+    collectives per optimizer step beside the planner's bytes (common.comms_log); None otherwise."""
+    if not logs_communication(ds_config):
+        return None
+    groups = len(param_groups(model, cfg.weight_decay))
+    return communication_beside_plan(logged_steps(), describe(cfg), param_groups=groups)
 
 
 def finish(
@@ -382,4 +396,5 @@ def finish(
         steps=steps,
         resumed_from_step=start_step or None,
         export_check=export_check,
+        communication=logged_communication(cfg, ds_config, model),
     )

@@ -43,6 +43,7 @@ class CVConfig:
     collective_timeout_s: int = 900  # a rank waiting this long in a collective fails: a dead rank stops the others
     # --- DeepSpeed ---
     preset: str = "cv"  # ZeRO-2, overlap_comm, contiguous gradients, buckets scaled to the model (zero-recipes ls)
+    network: str = ""  # link between nodes (100gbps, ib_hdr...): lint warns of stage 3 or buckets it does not suit
     precision: str = "bf16"  # bf16, fp16 or fp32 (fp32: exact arithmetic, used by the resume test)
     ds_overrides: list[str] = field(default_factory=list)  # DeepSpeed key=value, e.g. zero_optimization.stage=1
     activation_checkpointing: str = "none"  # none|full|every_k|selective|save_memory_optimized

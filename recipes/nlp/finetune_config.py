@@ -52,6 +52,7 @@ class FinetuneConfig:
     collective_timeout_s: int = 900  # a rank waiting this long in a collective fails: a dead rank stops the others
     # --- DeepSpeed ---
     preset: str = "finetune"  # ZeRO-3 over the frozen base; preset=deepspeed_stage_2 keeps whole weights per rank
+    network: str = ""  # link between nodes (100gbps, ib_hdr...): lint warns of stage 3 or buckets it does not suit
     precision: str = "bf16"  # bf16, fp16 or fp32
     ds_overrides: list[str] = field(default_factory=list)  # DeepSpeed key=value, e.g. zero_optimization.stage=2
     activation_checkpointing: str = "none"  # none|full|every_k|selective|save_memory_optimized (frozen base: fine)

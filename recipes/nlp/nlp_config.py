@@ -50,6 +50,7 @@ class NLPConfig:
     collective_timeout_s: int = 900  # a rank waiting this long in a collective fails: a dead rank stops the others
     # --- DeepSpeed ---
     preset: str = "nlp"  # ZeRO-3, stage3_param_persistence_threshold 1e6 (zero-recipes ls)
+    network: str = ""  # link between nodes (100gbps, ib_hdr...): lint warns of stage 3 or buckets it does not suit
     precision: str = "bf16"  # bf16, fp16 or fp32 (fp32: exact arithmetic, used by the resume test)
     ds_overrides: list[str] = field(default_factory=list)  # DeepSpeed key=value, e.g. zero_optimization.stage=2
     tensor_parallel: int = 1  # AutoTP: ranks that split every layer's matrices (Lightning, Accelerate; ZeRO 0-2)
@@ -77,6 +78,8 @@ class NLPConfig:
     num_layers: int = 0  # depth (0: the size's own); parameters and activations grow with it
     num_heads: int = 0  # attention heads (0: the size's own); must divide hidden_size
     moe_aux_loss_coef: float = 0.01  # MoE models: weight of the router's load-balancing loss added to the LM loss
+    moe_drop_tokens: bool = False  # MoE: fixed expert slots (DeepSpeed's capacity), tokens beyond them dropped
+    moe_min_capacity: int = 4  # MoE with moe_drop_tokens: the smallest expert slot, in tokens
     attention: str = "auto"  # auto|flash_attention_2|sdpa|eager (auto: FlashAttention-2 on a GPU when installed)
     seq_len: int = 256  # tokens per sequence: activations grow with it (attention scores with its square)
     trust_remote_code: bool = False  # allow model code shipped inside a local model folder to run
@@ -134,6 +137,8 @@ class NLPConfig:
         self.check_shape()
         if self.moe_aux_loss_coef < 0:
             raise ConfigError(f"moe_aux_loss_coef must be >= 0, got {self.moe_aux_loss_coef}")
+        if self.moe_min_capacity < 0:
+            raise ConfigError(f"moe_min_capacity must be >= 0, got {self.moe_min_capacity}")
         if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0 or self.weight_decay < 0:
             raise ConfigError("need lr > 0, 0 <= min_lr_ratio <= 1 and weight_decay >= 0")
         if not 0.0 < self.val_fraction < 1.0:
@@ -182,7 +187,9 @@ class NLPConfig:
     @property
     def family(self) -> ModelFamily:
         """What the loops call for the model (nlp/family.py): a dense Llama, or DeepSpeed-MoE with its aux loss."""
-        return model_family(self.model, self.moe_aux_loss_coef, self.expert_parallel)
+        return model_family(
+            self.model, self.moe_aux_loss_coef, self.expert_parallel, self.moe_drop_tokens, self.moe_min_capacity
+        )
 
     @property
     def tiled(self) -> bool:

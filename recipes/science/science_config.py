@@ -68,6 +68,7 @@ class ScienceConfig:
     collective_timeout_s: int = 900  # a rank waiting this long in a collective fails: a dead rank stops the others
     # --- DeepSpeed ---
     preset: str = "science"  # ZeRO-2, bf16, round_robin_gradients (zero-recipes ls)
+    network: str = ""  # link between nodes (100gbps, ib_hdr...): lint warns of stage 3 or buckets it does not suit
     precision: str = "bf16"  # bf16 or fp32; fp16 is refused (its range is too narrow)
     ds_overrides: list[str] = field(default_factory=list)  # DeepSpeed key=value, e.g. zero_optimization.stage=1
     activation_checkpointing: str = "none"  # none|full|every_k|save_memory_optimized: compute traded for memory

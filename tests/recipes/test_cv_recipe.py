@@ -203,7 +203,7 @@ def launch(backend: str, args: list[str]) -> None:
         accelerate_launch(TRAIN_ACCELERATE, args, RECIPE / "accelerate.yaml", num_processes=2, timeout=600)
 
 
-def check_run_directory(out_dir: Path, backend: str, max_steps: int, precision: str) -> dict:
+def check_run_directory(out_dir: Path, backend: str, max_steps: int, precision: str, extra_keys: tuple = ()) -> dict:
     for name in ("config.yaml", "ds_config.json", "env.json", "metrics.jsonl", "summary.json"):
         assert (out_dir / name).is_file(), name
     assert list((out_dir / "tb").glob("events.out.tfevents.*")), "no TensorBoard events"
@@ -212,7 +212,7 @@ def check_run_directory(out_dir: Path, backend: str, max_steps: int, precision: 
     assert (out_dir / "final" / "model.safetensors").is_file()
 
     summary = read_json(out_dir / "summary.json")
-    assert list(summary) == SUMMARY_KEYS
+    assert list(summary) == [*SUMMARY_KEYS, *extra_keys]
     assert summary["backend"] == backend and summary["steps"] == max_steps
     run_facts = [summary[key] for key in ("preset", "zero_stage", "world_size", "precision")]
     assert run_facts == ["cv", 2, 2, precision]
@@ -236,6 +236,24 @@ def check_run_directory(out_dir: Path, backend: str, max_steps: int, precision: 
     return summary
 
 
+def check_communication(communication: dict, num_params: int) -> None:
+    """Rank 0's collectives per optimizer step, as DeepSpeed's comms_logger counted them in the run, equal the
+    planner's bytes for this stage-2 config and a hand count (bf16, 2 ranks, one micro-batch a step): one all-reduce
+    of every 2-byte gradient, then the all-gather of this rank's updated half of the 2-byte parameters."""
+    assert communication["steps"] == 5  # the six steps but the first
+    logged = communication["collectives"]
+    assert set(logged) == {"all_reduce", "all_gather"}
+    # Bytes no figure here counts: the gradient norm's and overflow check's scalars (a few bytes a step) and the
+    # padding of each parameter group's flat buffer to an even split (an element or two).
+    scalars_and_padding = 16
+    for name in logged:
+        assert logged[name]["logged_bytes"] == pytest.approx(logged[name]["planned_bytes"], abs=scalars_and_padding)
+    assert logged["all_reduce"]["logged_bytes"] == pytest.approx(2 * num_params, abs=scalars_and_padding)
+    assert logged["all_gather"]["logged_bytes"] == pytest.approx(2 * num_params / 2, abs=scalars_and_padding)
+    assert logged["all_gather"]["calls"] == 2  # one per parameter group (decayed, not decayed)
+    assert all(c["logged_s"] > 0 for c in logged.values())
+
+
 def load_final(out_dir: Path):
     return AutoModelForImageClassification.from_pretrained(str(out_dir / "final"), local_files_only=True).eval()
 
@@ -243,10 +261,12 @@ def load_final(out_dir: Path):
 @pytest.mark.slow
 def test_lightning_bf16_zero2_on_digits_writes_a_complete_run_directory(tmp_path):
     out_dir = tmp_path / "run"
-    launch("lightning", overrides(out_dir, max_steps=6, checkpoint_interval=3))
-    summary = check_run_directory(out_dir, "lightning", max_steps=6, precision="bf16")
+    comms_log = "comms_logger.enabled=true"  # DeepSpeed's communication log: summary.json gets 'communication'
+    launch("lightning", overrides(out_dir, max_steps=6, checkpoint_interval=3, ds_overrides=comms_log))
+    summary = check_run_directory(out_dir, "lightning", max_steps=6, precision="bf16", extra_keys=("communication",))
     assert summary["data"]["num_classes"] == 10 and summary["data"]["val_size"] == 360  # stratified digits split
     assert summary["model"] == "tiny" and summary["num_params"] == 210_502
+    check_communication(summary["communication"], num_params=210_502)
     assert read_json(out_dir / "ds_config.json")["zero_optimization"]["stage"] == 2
     model = load_final(out_dir)
     assert type(model).__name__ == "SwinForImageClassification" and model.config.num_labels == 10

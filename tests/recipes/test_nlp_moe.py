@@ -134,6 +134,32 @@ def test_the_load_balancing_loss_is_in_the_loss_and_reaches_the_routers(moe_mode
     assert not torch.allclose(grads[0.0], grads[0.5])
 
 
+@pytest.mark.parametrize(("keys", "min_capacity"), [({"moe_drop_tokens": True, "moe_min_capacity": 3}, 3), ({}, None)])
+def test_token_dropping_keys_reach_deepspeeds_gate_at_the_planned_capacity(keys, min_capacity):
+    """The recipe's ``moe_drop_tokens`` and ``moe_min_capacity`` reach DeepSpeed's gate, whose dispatch buffer then
+    has the slot :func:`common.communication.expert_capacity` plans (checked against the gate's own output); by
+    default no token is dropped and the slot is the busiest expert's load."""
+    from nlp_config import NLPConfig
+
+    from common.communication import expert_capacity
+
+    cfg = NLPConfig(model="moe_tiny", **keys)
+    config = cfg.family.config("moe_tiny", 64, None, 16)
+    model = cfg.family.build(config, "sdpa", seed=0)
+    gate = model.model.layers[0].mlp.moe.deepspeed_moe.gate
+    assert gate.drop_tokens is bool(keys)
+    tokens = torch.randn(10, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    _, _, dispatch_mask, expert_counts = gate(tokens)
+    slot = dispatch_mask.shape[-1]
+    if min_capacity is None:
+        assert slot == int(expert_counts.max())
+    else:
+        experts, top_k = config.num_local_experts, config.num_experts_per_tok
+        assert slot == expert_capacity(10, experts, top_k, 1.0, min_capacity) == 5  # ceil(10 / 4 x 2): not the minimum
+        few = gate(tokens[:1])[2]
+        assert few.shape[-1] == expert_capacity(1, experts, top_k, 1.0, min_capacity) == min_capacity
+
+
 def test_the_export_is_a_transformers_mixtral_with_the_same_logits(moe_model):
     from transformers import MixtralForCausalLM
 

@@ -11,6 +11,7 @@ from common.communication import (
     Link,
     Transfer,
     compute_seconds,
+    expert_capacity,
     forward_numels,
     links_from_doctor,
     parse_link,
@@ -20,6 +21,7 @@ from common.communication import (
     setup_from_ds_config,
     step_share,
     suggested_bucket_elements,
+    with_recipe_moe,
 )
 from common.errors import ConfigError
 from common.memory_formulas import ModelFacts, assumed_transformer
@@ -248,3 +250,47 @@ def test_a_bare_parameter_count_gets_a_layer_by_layer_order():
     forward, backward = [t.message_bytes for t in p.transfers if t.collective == "all_gather"]
     assert 0.5 * forward < backward < forward
     assert forward_numels(FACTS) == NUMELS  # listed one by one: kept as they are
+
+
+# A tiny MoE: hidden 256, 2 layers, 4 experts of 10,000 elements (a lump of their own), 2 ranks of expert parallelism.
+MOE = ModelFacts(num_params=100_000, hidden_size=256, num_layers=2, num_heads=4, num_experts=4, expert_params=40_000)
+EP2 = ParallelLayout(world_size=2, expert=2)
+
+
+def expert_all_to_all(**setup) -> tuple[float, int]:
+    p = plan(2, EP2, MOE, precision="bf16", grad_accum=3, tokens_per_micro_batch=128, **setup)
+    moe = [t for t in p.transfers if t.collective == "all_to_all"]
+    assert len(moe) == 1
+    return moe[0].message_bytes, moe[0].calls
+
+
+def test_expert_capacity_follows_deepspeeds_formula():
+    """sharded_moe._capacity: ceil(tokens / experts x k x capacity_factor), at least min_capacity."""
+    assert expert_capacity(128, 4, top_k=2, capacity_factor=1.0, min_capacity=4) == 64  # 128 / 4 x 2
+    assert expert_capacity(128, 4, top_k=2, capacity_factor=1.25, min_capacity=4) == 80  # 32 x 2.5
+    assert expert_capacity(100, 8, top_k=1, capacity_factor=1.0, min_capacity=4) == 13  # ceil(12.5)
+    assert expert_capacity(8, 4, top_k=2, capacity_factor=1.0, min_capacity=6) == 6  # 4, raised to the minimum
+
+
+def test_expert_all_to_all_with_token_dropping_is_every_slot_at_its_capacity():
+    """drop_tokens: each of the 4 all-to-alls of a layer (dispatch, combine; forward, backward) sends the whole
+    (experts, capacity, hidden) buffer: 4 x 80 x 256 x 2 B = 163,840 B at capacity 80 (factor 1.25, top-2, 128
+    tokens); 2 layers x 4 calls x 3 micro-batches = 24 calls, 3,932,160 B a step."""
+    message, calls = expert_all_to_all(moe_drop_tokens=True, moe_capacity_factor=1.25, moe_top_k=2)
+    assert calls == 24 and message == 24 * 4 * 80 * 256 * 2 == 3_932_160
+    # min_capacity raises a small micro-batch's slot: 128 tokens over 4 experts, top-1, factor 1.0 -> 32 -> 40.
+    message, _ = expert_all_to_all(moe_drop_tokens=True, moe_top_k=1, moe_min_capacity=40)
+    assert message == 24 * 4 * 40 * 256 * 2
+    # Without dropping the slot follows the routing: the factor is the measured one (1.0: even, a lower bound).
+    message, _ = expert_all_to_all(moe_drop_tokens=False, moe_capacity_factor=1.0, moe_top_k=2)
+    assert message == 24 * 2 * 128 * 256 * 2
+
+
+def test_the_recipes_token_dropping_keys_reach_the_plan():
+    """A recipe config's ``moe_drop_tokens`` and ``moe_min_capacity`` set the planner's; a config without them plans
+    DeepSpeed MoE as the recipe builds it by default (no token dropped, DeepSpeed's minimum slot of 4)."""
+    base = setup_from_ds_config({"zero_optimization": {"stage": 2}}, 128)
+    dropping = with_recipe_moe(base, {"moe_drop_tokens": True, "moe_min_capacity": 40})
+    assert (dropping.moe_drop_tokens, dropping.moe_min_capacity, dropping.stage) == (True, 40, 2)
+    default = with_recipe_moe(base, {"model": "moe_tiny"})
+    assert (default.moe_drop_tokens, default.moe_min_capacity) == (False, 4)

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from common.communication import LINK_CLASSES
-from common.lint import RULES, LintView
+from common.errors import ConfigError
+from common.lint import RULES, LintView, lint_at_start, lint_run
 from common.tools.lint import lint_file
 
 BF16_STAGE = {2: {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}}
@@ -70,3 +71,34 @@ def test_lint_command_takes_the_network(tmp_path):
     assert "stage3-slow-network" in {f.rule_id for f in findings}
     with pytest.raises(Exception, match="did you mean 'nvlink'"):
         lint_file(str(config), network="nvlnk")
+
+
+def stage3_run(num_nodes: int, network: str) -> dict:
+    """A recipe's resolved stage-3 dict for 2 ranks and its config as a dict, as a recipe lints them at start."""
+    ds = {**json.loads(json.dumps(BF16_STAGE[3])), "train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+          "gradient_accumulation_steps": 1}  # fmt: skip
+    ds["zero_optimization"]["reduce_bucket_size"] = 50_000_000  # what 25 Gbit/s suits: only the stage is in question
+    return {"ds_config": ds, "recipe_config": {"num_nodes": num_nodes, "network": network}}
+
+
+def test_a_recipe_config_states_the_network_at_its_start():
+    """A recipe lints its config at start (lint_at_start): its ``network`` key and ``num_nodes`` reach the rules as
+    --network and --nodes do: 7B over 4 nodes of 8 at 25 Gbit/s is the same 40.69 GB, 13 s as above."""
+    run = stage3_run(num_nodes=4, network="25gbps")
+    found = lint_run(**run, num_params=7_000_000_000, world_size=32, ranks_per_node=8)
+    slow = [f for f in found if f.rule_id == "stage3-slow-network"]
+    assert len(slow) == 1 and "40.69 GB a rank every micro-batch, 13 s" in slow[0].message
+    # 2 ranks: on 2 nodes the one link is crossed, on 1 node it is not; ranks per node come from num_nodes.
+    started = lint_at_start(**stage3_run(2, "25gbps"), world_size=2)
+    assert "stage3-slow-network" in {f.rule_id for f in started}
+    assert "stage3-slow-network" not in {f.rule_id for f in lint_at_start(**stage3_run(1, "25gbps"), world_size=2)}
+    assert "stage3-slow-network" not in {f.rule_id for f in lint_at_start(**stage3_run(2, ""), world_size=2)}
+    with pytest.raises(ConfigError, match="did you mean 'nvlink'"):
+        lint_at_start(**stage3_run(2, "nvlnk"), world_size=2)
+
+
+def test_lint_command_reads_the_network_key_of_a_recipe_yaml(tmp_path):
+    """``zero-recipes lint`` on a recipe YAML with ``network:``: the rules run without --network."""
+    config = tmp_path / "two_nodes.yaml"
+    config.write_text("preset: nlp\ndevices: 2\nnum_nodes: 2\nnetwork: 10gbps\n")
+    assert "stage3-slow-network" in {f.rule_id for f in lint_file(str(config), recipe="nlp")}

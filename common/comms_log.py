@@ -1,21 +1,28 @@
-"""DeepSpeed's communication log of a training run, per optimizer step, for the probe and ``bench/communication.py``.
+"""DeepSpeed's communication log of a training run, per optimizer step: for a run's ``summary.json``, the probe and
+``bench/communication.py``.
 
 DeepSpeed counts every collective it calls through ``deepspeed.comm`` when its ``comms_logger`` is on
 (``deepspeed.comm.comm.comms_logger.comms_dict``: per op, per message size, the count and each call's latency) but
-never says which step a call belonged to, and the recipes' factory does not pass a ``comms_logger`` section through
-``ds_overrides``. This module turns the logger on from outside a run and cuts its log at optimizer steps:
+never says which step a call belonged to. This module cuts its log at optimizer steps, two ways in:
+
+- inside a run: a recipe's DeepSpeed config with ``comms_logger.enabled`` (``ds_overrides=[comms_logger.enabled=true]``)
+  makes ``common.process_setup.setup_process`` call :func:`setup_comms_log`, and rank 0 puts
+  :func:`communication_beside_plan` into ``summary.json``: the bytes, calls and seconds per collective per optimizer
+  step beside the planner's bytes for the same config;
+- from outside a run (the probe, the bench), with no change to it:
 
     ZR_COMMS_LOG=/tmp/comms PYTHONPATH=<repo>/common/tools/comms_log_site:$PYTHONPATH python recipes/nlp/train.py ...
 
-:func:`comms_log_env` returns those two variables. Every process of the run (Lightning's second rank, each rank an
-Accelerate or torchrun launcher starts) then imports ``sitecustomize`` from that folder, which calls
+  :func:`comms_log_env` returns those two variables. Every process of the run (Lightning's second rank, each rank an
+  Accelerate or torchrun launcher starts) then imports ``sitecustomize`` from that folder, which calls
+  :func:`setup_comms_log` with the folder: at exit each rank writes ``rank<N>.json`` into it.
+
 :func:`setup_comms_log`: once ``deepspeed.runtime.engine`` is imported, the logger is on (``prof_all``) and each
-optimizer step (``DeepSpeedEngine._take_model_step``, the pipeline engine's too) ends with a snapshot of the counts;
-at exit each rank writes ``rank<N>.json`` into the folder: per step and op, the calls per message size and the
-seconds spent in the op.
+optimizer step (``DeepSpeedEngine._take_model_step``, the pipeline engine's too) ends with a snapshot of the counts:
+per step and op, the calls per message size and the seconds spent in the op.
 Nothing else changes in the run: the log's cost is a host synchronisation per collective, none on a CPU.
 
-:func:`read_comms_log` reads the folder back; :func:`steady_steps` drops the first step (it gathers parameters to
+:func:`read_comms_log` reads a folder back; :func:`steady_steps` drops the first step (it gathers parameters to
 record stage 3's trace, and it follows the start-up's broadcasts and first evaluation).
 """
 
@@ -31,9 +38,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common.communication import plan_communication, setup_from_ds_config, with_recipe_moe
+from common.describe import RecipeDescription
+from common.parallel import ParallelLayout
+
 ENV_VAR = "ZR_COMMS_LOG"
 STEPS_VAR = "ZR_COMMS_LOG_STEPS"
-SITE_FOLDER = Path(__file__).resolve().parent / "comms_log_site"
+SITE_FOLDER = Path(__file__).resolve().parent / "tools" / "comms_log_site"
 
 # DeepSpeed's op names in the log, by collective (reduce_scatter_fn logs as reduce_scatter_tensor, allgather_fn as
 # all_gather_into_tensor, all_reduce_coalesced and inference_all_reduce as all_reduce).
@@ -99,10 +110,12 @@ def snapshot_difference(before: dict, after: dict) -> dict[str, dict[str, Any]]:
     return out
 
 
-class _Recorder:
-    def __init__(self, folder: Path, steps: int | None) -> None:
+class CommsRecorder:
+    """The snapshots of DeepSpeed's log taken at each optimizer step of this process (:func:`setup_comms_log`)."""
+
+    def __init__(self, folder: Path | None, steps: int | None) -> None:
         self.folder = folder
-        self.steps = steps
+        self.max_steps = steps
         self.snapshots: list[dict] = []
         self.rank = 0
 
@@ -110,21 +123,26 @@ class _Recorder:
         import torch.distributed as dist
         from deepspeed.comm.comm import comms_logger
 
-        if self.steps is not None and len(self.snapshots) >= self.steps:
+        if self.max_steps is not None and len(self.snapshots) >= self.max_steps:
             return
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.snapshots.append(take_snapshot())
-        if self.steps is not None and len(self.snapshots) >= self.steps:
+        if self.max_steps is not None and len(self.snapshots) >= self.max_steps:
             comms_logger.enabled = False  # the steps after these run as they would without the log
 
+    def steps(self) -> list[dict[str, dict[str, Any]]]:
+        """Per optimizer step so far: ``{op: {"calls": {message bytes: calls}, "seconds": s}}``."""
+        return [snapshot_difference(a, b) for a, b in zip([{}, *self.snapshots], self.snapshots)]
+
     def write(self) -> None:
-        rank = self.rank
-        steps = [snapshot_difference(a, b) for a, b in zip([{}, *self.snapshots], self.snapshots)]
+        if self.folder is None or not self.snapshots:
+            return
         self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps}) + "\n")
+        document = {"rank": self.rank, "steps": self.steps()}
+        (self.folder / f"rank{self.rank}.json").write_text(json.dumps(document) + "\n")
 
 
-def _patch_engine(module: Any, recorder: _Recorder) -> None:
+def _patch_engine(module: Any, recorder: CommsRecorder) -> None:
     from deepspeed.comm.comm import comms_logger
 
     comms_logger.enabled = True
@@ -163,20 +181,38 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def setup_comms_log(folder: str | Path, steps: int | None = None) -> None:
-    """Log this process's DeepSpeed collectives per optimizer step into ``folder`` (module docstring), for the first
-    ``steps`` optimizer steps (all when None).
+_RECORDER: CommsRecorder | None = None  # this process's, once set up: DeepSpeed's logger is process-wide too
+
+
+def setup_comms_log(folder: str | Path | None = None, steps: int | None = None) -> CommsRecorder:
+    """Log this process's DeepSpeed collectives per optimizer step (module docstring), for the first ``steps``
+    optimizer steps (all when None), and write them into ``folder`` at exit when one is given.
 
     A process-wide change: DeepSpeed's logger is switched on and ``DeepSpeedEngine._take_model_step`` wrapped, once
-    ``deepspeed.runtime.engine`` is imported (at once if it already is).
+    ``deepspeed.runtime.engine`` is imported (at once if it already is). A second call returns the first's recorder
+    (the probe's environment and a config's ``comms_logger`` may both ask): the engine is wrapped once.
     """
-    recorder = _Recorder(Path(folder), steps)
+    global _RECORDER
+    if _RECORDER is not None:
+        return _RECORDER
+    recorder = _RECORDER = CommsRecorder(Path(folder) if folder is not None else None, steps)
     engine_module = "deepspeed.runtime.engine"
     if engine_module in sys.modules:
         _patch_engine(sys.modules[engine_module], recorder)
     else:
         sys.meta_path.insert(0, _AfterImport(engine_module, lambda m: _patch_engine(m, recorder)))
-    atexit.register(lambda: recorder.write() if recorder.snapshots else None)
+    atexit.register(recorder.write)
+    return recorder
+
+
+def logs_communication(ds_config: dict[str, Any]) -> bool:
+    """Whether a DeepSpeed config turns DeepSpeed's communication log on (its ``comms_logger.enabled``)."""
+    return bool((ds_config.get("comms_logger") or {}).get("enabled"))
+
+
+def logged_steps() -> list[dict[str, dict[str, Any]]]:
+    """This process's logged optimizer steps (:meth:`CommsRecorder.steps`); none when the log is not set up."""
+    return _RECORDER.steps() if _RECORDER is not None else []
 
 
 # --- reading a log back ------------------------------------------------------------------------------------------
@@ -223,3 +259,48 @@ def median_step(steps: list[dict]) -> dict[str, dict[str, float]]:
         }
         for name in names
     }
+
+
+def communication_beside_plan(steps: list[dict], run: RecipeDescription, param_groups: int) -> dict[str, Any] | None:
+    """One rank's logged communication per optimizer step (the median over the steps after the first) beside the
+    planner's bytes for the same config (:func:`common.communication.plan_communication`).
+
+    Args:
+        steps: the rank's logged steps (:func:`logged_steps`, or a rank of :func:`read_comms_log`).
+        run: the run as the planning tools see it (a recipe's ``--describe``): model, DeepSpeed config, layout.
+        param_groups: the optimizer's parameter groups (stages 1-2 all-gather each group's partition in one call).
+
+    Returns:
+        ``{"steps": n, "collectives": {name: {"logged_bytes", "calls", "logged_s", "planned_bytes"}}}``, or None when
+        no step after the first was logged.
+    """
+    steady = steady_steps(steps)
+    if not steady:
+        return None
+    logged = median_step(steady)
+    cfg = run.config
+    layout = ParallelLayout(
+        world_size=run.world_size,
+        tensor=int(cfg.get("tensor_parallel") or 1),
+        expert=int(cfg.get("expert_parallel") or 1),
+        sequence=int(cfg.get("sequence_parallel") or 1),
+    )
+    tokens = run.micro_batch_size * (run.seq_len or 0)
+    setup = with_recipe_moe(
+        setup_from_ds_config(run.ds_config, tokens, run.devices_per_node, param_groups=param_groups), cfg
+    )
+    try:
+        planned = plan_communication(run.model, setup, layout).by_collective()
+    except ValueError:  # a layout the planner does not model: the logged figures stand alone
+        planned = {}
+    names = [n for n in (*planned, *logged) if n != "broadcast"]
+    collectives = {}
+    for name in dict.fromkeys(names):
+        seen = logged.get(name, {})
+        collectives[name] = {
+            "logged_bytes": seen.get("bytes", 0.0),
+            "calls": seen.get("calls", 0.0),
+            "logged_s": seen.get("seconds", 0.0),
+            "planned_bytes": planned.get(name, 0.0),
+        }
+    return {"steps": len(steady), "collectives": collectives}
