@@ -37,7 +37,6 @@ import torch.distributed as dist
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
-from torch.utils.cpp_extension import get_default_build_root
 
 from common.communication import BUS_FACTOR
 from common.errors import ConfigError, exit_on_user_error
@@ -691,6 +690,10 @@ def build_deepspeed_op(class_name: str, needed_for: str) -> OpBuild | None:
 
 def render_op_builds(builds: list[OpBuild]) -> str:
     """One line per op: name, status, seconds, what needs it, and why it is not ready."""
+    # Imported here, not at the top: on a CUDA build of torch without a CUDA runtime, importing cpp_extension logs a
+    # warning to stderr, and every tool that imports doctor (bench/gpu.py's one-line errors) would print it.
+    from torch.utils.cpp_extension import get_default_build_root
+
     cache = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # where torch builds them
     lines = [f"DeepSpeed's compiled ops (built once per machine, cached under {cache}):"]
     for build in builds:
