@@ -57,6 +57,9 @@ from common.errors import exit_on_user_error  # noqa: E402
 from common.rundir import free_port, read_metrics  # noqa: E402
 from common.tools.probe import last_error_line  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes" / "science"))
+from science_config import SMOKE_OVERRIDES as SCIENCE_SMOKE_OVERRIDES  # noqa: E402
+
 RESULTS = REPO / "bench" / "results" / "peer.json"
 DOCS = {"peer": DOC}
 # (ZeRO preset, the FSDP2 preset sharding the same model states)
@@ -67,19 +70,10 @@ LOSS_KEY = {"cv": "train_loss", "science": "train_rel_l2", "nlp": "train_loss"}
 WARMUP = 3  # optimizer steps left out of the per-step figures (first calls, allocator growth)
 POLL_S = 0.05
 MiB = 2**20
-# The science recipe's smoke model (its SMOKE_OVERRIDES without the step counts): what --quick trains in CI.
-SCIENCE_SMOKE = [
-    "n_train=40",
-    "n_test=8",
-    "grid_size=64",
-    "solve_grid=256",
-    "modes=8",
-    "width=16",
-    "n_layers=2",
-    "proj_width=32",
-    "micro_batch_size=4",
-    "data_workers=1",
-]
+# The science recipe's smoke model (its SMOKE_OVERRIDES without the step counts, which the bench sets): what
+# --quick trains in CI.
+STEP_COUNT_KEYS = ("max_steps", "eval_interval", "checkpoint_interval")
+SCIENCE_SMOKE = [o for o in SCIENCE_SMOKE_OVERRIDES if o.split("=", 1)[0] not in STEP_COUNT_KEYS]
 
 
 @dataclass
