@@ -22,7 +22,7 @@ import os
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-from worker_util import quiet_cpu_trainer, write_rank_record
+from worker_util import quiet_cpu_trainer, run_then_exit, write_rank_record
 
 from common.errors import exit_on_user_error
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
@@ -170,4 +170,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -19,7 +19,7 @@ import deepspeed
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
-from worker_util import setup_gloo_rank, write_rank_record
+from worker_util import run_then_exit, setup_gloo_rank, write_rank_record
 
 from common.accounting import model_state_bytes
 from common.activation import apply_activation_checkpointing
@@ -102,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from worker_util import quiet_cpu_trainer
+from worker_util import quiet_cpu_trainer, run_then_exit
 
 from common.config import parse_overrides
 from common.strategy import RunFacts, accelerator_kwargs, lightning_trainer_kwargs, resolve_deepspeed_config
@@ -255,4 +255,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    run_then_exit(main)

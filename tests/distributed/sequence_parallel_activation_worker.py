@@ -23,7 +23,7 @@ import torch.distributed as dist
 from deepspeed.runtime.sequence_parallel import parallel_state_sp
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from worker_util import setup_gloo_rank, write_rank_record
+from worker_util import run_then_exit, setup_gloo_rank, write_rank_record
 
 from common.activation import apply_activation_checkpointing, saved_activation_bytes
 from nlp.model import build_llama_config, build_model_from_config
@@ -136,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from deepspeed.runtime.sequence_parallel import parallel_state_sp
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from worker_util import run_then_exit
 
 from common import sequence_parallel
 
@@ -136,4 +137,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from worker import TinyNet, engine_facts, fixed_batch_loss, launcher_world_size, make_data
-from worker_util import quiet_cpu_trainer, write_rank_record
+from worker_util import quiet_cpu_trainer, run_then_exit, write_rank_record
 
 from common.config import parse_overrides
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
@@ -137,8 +137,8 @@ def run_accelerate(args, ds_config) -> None:
             break
     fixed.append(fixed_batch_loss(engine, torch.float32))
     dump(Path(args.out), accelerator.process_index, losses, fixed, launcher_world_size(), engine, watch)
-    # Tear the process group down before the interpreter exits, as the recipes do: left to interpreter shutdown, a
-    # rank was seen to abort ("terminate called without an active exception") after its work was done.
+    # Tear the process group down as the recipes do; the worker then leaves without interpreter shutdown
+    # (run_then_exit says why).
     accelerator.end_training()
 
 
@@ -170,4 +170,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 import torch
-from worker_util import quiet_cpu_trainer, write_rank_record
+from worker_util import quiet_cpu_trainer, run_then_exit, write_rank_record
 
 from common.accounting import model_state_bytes
 from common.activation import apply_activation_checkpointing
@@ -211,8 +211,8 @@ def run_accelerate(args, ds_config) -> None:
     fixed.append(fixed_batch_loss(engine, dtype))
     record = (losses, norms, fixed, launcher_world_size(), engine, ds_config, num_params)
     dump(Path(args.out), accelerator.process_index, *record)
-    # Tear the process group down before the interpreter exits, as the recipes do: left to interpreter shutdown, a
-    # rank was seen to abort ("terminate called without an active exception") after its work was done.
+    # Tear the process group down as the recipes do; the worker then leaves without interpreter shutdown
+    # (run_then_exit says why).
     accelerator.end_training()
 
 
@@ -245,4 +245,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)
