@@ -67,6 +67,7 @@ DOCS = {SECTION: REPO / "docs" / "benchmarks.md"}
 WORKER = REPO / "bench" / "_comm_worker.py"
 SEQ, MICRO_BATCH, HIDDEN, LAYERS, HEADS = 64, 2, 256, 4, 4
 BYTES_BAR, TIME_BAR = 0.05, 0.30
+DROPPING_MIN_CAPACITY = 80  # the token-dropping row's smallest expert slot, tokens (above the even-routing 64)
 DOCTOR_SIZES = "4KiB,64KiB,1MiB,8MiB"
 NO_PREFETCH = {"zero_optimization.stage3_prefetch_bucket_size": 0}
 T0 = {"zero_optimization.stage3_param_persistence_threshold": 0}
@@ -129,9 +130,18 @@ LAYOUTS = [
     ("TP 2 (AutoTP), stage 1", ["preset=deepspeed_stage_1", "tensor_parallel=2"]),
     ("SP 2 (Ulysses), stage 2", ["preset=deepspeed_stage_2", "sequence_parallel=2"]),
     ("EP 2 (DeepSpeed MoE), stage 2", ["preset=deepspeed_stage_2", "model=moe_tiny", "expert_parallel=2"]),
+    # Token dropping with a minimum slot above the even-routing one: at 128 tokens, 4 experts, top-2 and capacity
+    # factor 1, DeepSpeed's capacity (64) is exactly the slot even routing fills, so a plan that ignored the dropping
+    # would match too; at moe_min_capacity 80 only a plan that models DeepSpeed's capacity does.
     (
-        "EP 2 (DeepSpeed MoE), token dropping, stage 2",
-        ["preset=deepspeed_stage_2", "model=moe_tiny", "expert_parallel=2", "moe_drop_tokens=true"],
+        f"EP 2 (DeepSpeed MoE), token dropping, min capacity {DROPPING_MIN_CAPACITY}, stage 2",
+        [
+            "preset=deepspeed_stage_2",
+            "model=moe_tiny",
+            "expert_parallel=2",
+            "moe_drop_tokens=true",
+            f"moe_min_capacity={DROPPING_MIN_CAPACITY}",
+        ],
     ),
 ]
 RECIPE_KEYS = [

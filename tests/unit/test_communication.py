@@ -2,9 +2,11 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
+from bench.communication import LAYOUTS, MICRO_BATCH, SEQ
 from common.communication import (
     LINK_CLASSES,
     CommSetup,
@@ -26,6 +28,7 @@ from common.communication import (
 from common.errors import ConfigError
 from common.memory_formulas import ModelFacts, assumed_transformer
 from common.parallel import ParallelLayout
+from nlp.moe import MOE_SIZES
 
 # A model of five parameters in forward order: two matrices of 1000, two norms of 10 and a head of 501 elements.
 NUMELS = (1000, 10, 1000, 10, 501)
@@ -294,3 +297,29 @@ def test_the_recipes_token_dropping_keys_reach_the_plan():
     assert (dropping.moe_drop_tokens, dropping.moe_min_capacity, dropping.stage) == (True, 40, 2)
     default = with_recipe_moe(base, {"model": "moe_tiny"})
     assert (default.moe_drop_tokens, default.moe_min_capacity) == (False, 4)
+
+
+def test_the_benchs_token_dropping_row_tells_a_plan_that_models_dropping_from_one_that_does_not():
+    """bench/communication.py's token-dropping row runs the NLP recipe's moe_tiny (4 experts, top-2) on 2 x 64 tokens
+    at capacity factor 1: DeepSpeed's capacity there, ceil(128 / 4 x 2) = 64, is exactly the slot even routing fills,
+    so a planner that ignored the dropping would match the log as well. The row's ``moe_min_capacity`` raises every
+    slot above it: only the plan that models DeepSpeed's capacity matches, the other is 64 / min_capacity of it."""
+    keys = next(keys for name, keys in LAYOUTS if "token dropping" in name)
+    row = dict(key.split("=", 1) for key in keys)
+    assert row["model"] == "moe_tiny" and row["moe_drop_tokens"] == "true"
+    size = MOE_SIZES["moe_tiny"]
+    experts, top_k, tokens = size["num_local_experts"], size["num_experts_per_tok"], MICRO_BATCH * SEQ
+    min_capacity = int(row["moe_min_capacity"])
+    even_slot = tokens * top_k // experts  # 64
+    assert min_capacity > even_slot
+    facts = replace(MOE, num_experts=experts)
+    common = dict(precision="bf16", tokens_per_micro_batch=tokens, moe_top_k=top_k, moe_capacity_factor=1.0)
+    dropping = plan(2, EP2, facts, moe_drop_tokens=True, moe_min_capacity=min_capacity, **common)
+    ignoring = plan(2, EP2, facts, moe_drop_tokens=False, moe_min_capacity=min_capacity, **common)
+    layers, h = facts.num_layers, facts.hidden_size
+    assert dropping.message_bytes("all_to_all") == 4 * layers * experts * min_capacity * h * 2  # every slot at 80
+    assert ignoring.message_bytes("all_to_all") == 4 * layers * experts * even_slot * h * 2  # the even-routing slot
+    assert ignoring.message_bytes("all_to_all") < dropping.message_bytes("all_to_all")
+    # Without the row's minimum (DeepSpeed's default, 4) the two plans are the same: the row could not tell them apart.
+    same = [plan(2, EP2, facts, moe_drop_tokens=d, **common).message_bytes("all_to_all") for d in (True, False)]
+    assert same[0] == same[1]
