@@ -6,8 +6,8 @@ DeepSpeed counts every collective it calls through ``deepspeed.comm`` when its `
 never says which step a call belonged to. This module cuts its log at optimizer steps, two ways in:
 
 - inside a run: a recipe's DeepSpeed config with ``comms_logger.enabled`` (``ds_overrides=[comms_logger.enabled=true]``)
-  makes ``common.process_setup.setup_process`` call :func:`setup_comms_log`, and rank 0 puts
-  :func:`communication_beside_plan` into ``summary.json``: the bytes, calls and seconds per collective per optimizer
+  makes ``common.process_setup.setup_process`` call :func:`setup_comms_log`, and rank 0 of every recipe puts
+  :func:`summary_communication` into ``summary.json``: the bytes, calls and seconds per collective per optimizer
   step beside the planner's bytes for the same config;
 - from outside a run (the probe, the bench), with no change to it:
 
@@ -29,17 +29,21 @@ record stage 3's trace, and it follows the start-up's broadcasts and first evalu
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.abc
 import importlib.util
 import json
 import os
 import statistics
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from common.communication import plan_communication, setup_from_ds_config, with_recipe_moe
 from common.describe import RecipeDescription
+from common.memory_formulas import ModelFacts
 from common.parallel import ParallelLayout
 
 ENV_VAR = "ZR_COMMS_LOG"
@@ -118,14 +122,22 @@ class CommsRecorder:
         self.max_steps = steps
         self.snapshots: list[dict] = []
         self.rank = 0
+        self.param_groups = 1
+        self.elements: tuple[int, int] | None = None  # (trainable, all) parameter elements of the engine's model
 
-    def after_step(self) -> None:
+    def after_step(self, engine: Any = None) -> None:
+        """Snapshot the log at the end of an optimizer step of ``engine`` (the DeepSpeed engine that stepped)."""
         import torch.distributed as dist
         from deepspeed.comm.comm import comms_logger
 
         if self.max_steps is not None and len(self.snapshots) >= self.max_steps:
             return
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        # The groups DeepSpeed's optimizer holds (stages 1-2 all-gather each one's partition in a call of its own):
+        # read from the engine, so that no recipe has to count them the way it built them.
+        self.param_groups = len(getattr(getattr(engine, "optimizer", None), "param_groups", None) or [None])
+        if self.elements is None and hasattr(engine, "module"):
+            self.elements = parameter_elements(engine.module)
         self.snapshots.append(take_snapshot())
         if self.max_steps is not None and len(self.snapshots) >= self.max_steps:
             comms_logger.enabled = False  # the steps after these run as they would without the log
@@ -142,6 +154,16 @@ class CommsRecorder:
         (self.folder / f"rank{self.rank}.json").write_text(json.dumps(document) + "\n")
 
 
+def parameter_elements(module: Any) -> tuple[int, int]:
+    """(trainable, all) parameter elements of a model, whole (a ZeRO-3 parameter's ``ds_numel``, not its shard)."""
+    trainable = total = 0
+    for param in module.parameters():
+        elements = int(getattr(param, "ds_numel", param.numel()))
+        total += elements
+        trainable += elements if param.requires_grad else 0
+    return trainable, total
+
+
 def _patch_engine(module: Any, recorder: CommsRecorder) -> None:
     from deepspeed.comm.comm import comms_logger
 
@@ -152,7 +174,7 @@ def _patch_engine(module: Any, recorder: CommsRecorder) -> None:
 
     def _take_model_step_logged(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = take_step(self, *args, **kwargs)
-        recorder.after_step()
+        recorder.after_step(self)
         return result
 
     engine._take_model_step = _take_model_step_logged
@@ -215,6 +237,30 @@ def logged_steps() -> list[dict[str, dict[str, Any]]]:
     return _RECORDER.steps() if _RECORDER is not None else []
 
 
+def summary_communication(
+    ds_config: dict[str, Any], describe_run: Callable[[], RecipeDescription]
+) -> dict[str, Any] | None:
+    """A recipe's ``summary.json`` ``communication``: this rank's collectives per optimizer step beside the planner's
+    bytes (:func:`communication_beside_plan`) when the DeepSpeed config turns ``comms_logger`` on; None otherwise.
+
+    Every recipe calls it the same way when it writes its summary (rank 0, after training).
+
+    Args:
+        ds_config: the run's resolved DeepSpeed config.
+        describe_run: the recipe's ``describe`` for the run's config (what ``--describe`` prints), called only when
+            the log is on: the planner's model, DeepSpeed config and layout.
+
+    Returns:
+        ``{"steps", "collectives"}`` (:func:`communication_beside_plan`), or None when the log is off or no step after
+        the first was logged.
+    """
+    if not logs_communication(ds_config):
+        return None
+    groups = _RECORDER.param_groups if _RECORDER is not None else 1
+    elements = _RECORDER.elements if _RECORDER is not None else None
+    return communication_beside_plan(logged_steps(), describe_run(), param_groups=groups, elements=elements)
+
+
 # --- reading a log back ------------------------------------------------------------------------------------------
 
 
@@ -261,7 +307,29 @@ def median_step(steps: list[dict]) -> dict[str, dict[str, float]]:
     }
 
 
-def communication_beside_plan(steps: list[dict], run: RecipeDescription, param_groups: int) -> dict[str, Any] | None:
+def trainable_model(facts: ModelFacts, stage: int, elements: tuple[int, int] | None) -> ModelFacts | None:
+    """The model as the planner must see it when part of it is frozen (a LoRA run): ``facts`` when every parameter
+    trains; under stages 0-2 a model of the trainable elements alone (only their gradients are reduced and their
+    partitions gathered after the step; frozen ones stay whole on every rank and move nothing); None under stage 3,
+    which gathers the frozen parameters too and reduces only the trainable ones' gradients (not modelled).
+
+    Args:
+        facts: the whole model (a recipe's ``--describe``).
+        stage: the ZeRO stage.
+        elements: (trainable, all) parameter elements of the model the engine trains; None when unknown (every
+            parameter taken to train).
+    """
+    if elements is None or elements[0] >= elements[1]:
+        return facts
+    if stage == 3:
+        return None
+    trainable = elements[0]
+    return replace(facts, num_params=trainable, param_numels=(trainable,), expert_params=0, largest_layer_params=None)
+
+
+def communication_beside_plan(
+    steps: list[dict], run: RecipeDescription, param_groups: int, elements: tuple[int, int] | None = None
+) -> dict[str, Any] | None:
     """One rank's logged communication per optimizer step (the median over the steps after the first) beside the
     planner's bytes for the same config (:func:`common.communication.plan_communication`).
 
@@ -269,10 +337,13 @@ def communication_beside_plan(steps: list[dict], run: RecipeDescription, param_g
         steps: the rank's logged steps (:func:`logged_steps`, or a rank of :func:`read_comms_log`).
         run: the run as the planning tools see it (a recipe's ``--describe``): model, DeepSpeed config, layout.
         param_groups: the optimizer's parameter groups (stages 1-2 all-gather each group's partition in one call).
+        elements: (trainable, all) parameter elements of the engine's model (:func:`trainable_model`); None when
+            unknown.
 
     Returns:
         ``{"steps": n, "collectives": {name: {"logged_bytes", "calls", "logged_s", "planned_bytes"}}}``, or None when
-        no step after the first was logged.
+        no step after the first was logged. ``planned_bytes`` is None, and ``not_planned`` says why, where the planner
+        does not model the run (stage 3 with frozen parameters).
     """
     steady = steady_steps(steps)
     if not steady:
@@ -289,10 +360,14 @@ def communication_beside_plan(steps: list[dict], run: RecipeDescription, param_g
     setup = with_recipe_moe(
         setup_from_ds_config(run.ds_config, tokens, run.devices_per_node, param_groups=param_groups), cfg
     )
-    try:
-        planned = plan_communication(run.model, setup, layout).by_collective()
-    except ValueError:  # a layout the planner does not model: the logged figures stand alone
-        planned = {}
+    model = trainable_model(run.model, setup.stage, elements)
+    not_planned = None
+    planned: dict[str, float] = {}
+    if model is None:
+        not_planned = f"stage 3 with frozen parameters ({elements[0]:,} of {elements[1]:,} elements train)"
+    else:
+        with contextlib.suppress(ValueError):  # a layout the planner does not model: the logged figures stand alone
+            planned = plan_communication(model, setup, layout).by_collective()
     names = [n for n in (*planned, *logged) if n != "broadcast"]
     collectives = {}
     for name in dict.fromkeys(names):
@@ -301,6 +376,9 @@ def communication_beside_plan(steps: list[dict], run: RecipeDescription, param_g
             "logged_bytes": seen.get("bytes", 0.0),
             "calls": seen.get("calls", 0.0),
             "logged_s": seen.get("seconds", 0.0),
-            "planned_bytes": planned.get(name, 0.0),
+            "planned_bytes": None if not_planned else planned.get(name, 0.0),
         }
-    return {"steps": len(steady), "collectives": collectives}
+    result: dict[str, Any] = {"steps": len(steady), "collectives": collectives}
+    if not_planned:
+        result["not_planned"] = not_planned
+    return result

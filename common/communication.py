@@ -28,7 +28,9 @@ the tensor it passes in (``deepspeed.comm.utils.get_msg_size_from_args``): the w
 reduce-scatter, this rank's shard for an all-gather, its whole input for an all-to-all. ``sent_bytes`` is what the
 rank puts on the wire with ring algorithms: nccl-tests' "bus" convention, (n - 1) / n of the whole buffer for a
 reduce-scatter, an all-gather or an all-to-all and twice that for an all-reduce. A bus bandwidth (what ``zero-recipes
-doctor --collectives`` measures, as nccl-tests do) divides ``sent_bytes`` into seconds.
+doctor --collectives`` measures, as nccl-tests do) divides ``sent_bytes`` into seconds: the bandwidth measured in the
+dtype the transfer moves (``Transfer.dtype``), since a backend may reduce one dtype slower than another per byte
+(gloo's bf16 all-reduce on a CPU is slower than its fp32 one).
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ AFTER_STEP = "updated parameters after the step (each rank's partition)"
 EXPERTS_AFTER_STEP = "updated expert parameters after the step"
 PERSISTENT_AFTER_STEP = "persistent parameters gathered whole again after the step"
 
+# ``doctor --collectives`` measures fp32, bf16 and fp16 buffers; a transfer of another dtype (qwZ's int8, qgZ's int4) or
+# of one not measured is priced at a measured dtype of its width, else at fp32's (doctor's first and oldest rows).
+SAME_WIDTH = {"bf16": "fp16", "fp16": "bf16"}
+
 # nccl-tests' bus factor: the share of the whole buffer each rank sends with ring algorithms (doctor's figures too).
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -82,6 +88,8 @@ class Transfer:
         calls: calls per optimizer step.
         group_size: ranks in the collective's group.
         scope: ``intra_node`` when the group lies inside one node, else ``inter_node``.
+        dtype: what its buffer holds (``bf16``, ``fp16``, ``fp32``, ``int8``, ``int4``): the measured bandwidth that
+            prices it (:func:`link_for`).
     """
 
     collective: str
@@ -90,6 +98,7 @@ class Transfer:
     calls: int
     group_size: int
     scope: str
+    dtype: str = "fp32"
 
     @property
     def buffer_bytes(self) -> float:
@@ -377,19 +386,21 @@ def plan_communication(facts: ModelFacts, setup: CommSetup, layout: ParallelLayo
     zero_scope = group_scope(zero_ranks, tp, rpn)
     transfers: list[Transfer] = []
     # Under sequence parallelism stages 1-2 reduce in fp32 (stage_1_and_2.allreduce_bucket).
-    grad_bytes = FP32_BYTES if (sp > 1 and setup.stage in (1, 2)) else p
+    grad_dtype = "fp32" if (sp > 1 and setup.stage in (1, 2)) else setup.precision
+    grad_bytes = WORKING_BYTES[grad_dtype]
     dense_total = sum(numels)
 
-    def add(collective: str, purpose: str, message: float, calls: int, group: int, scope: str) -> None:
+    def add(collective: str, purpose: str, message: float, calls: int, group: int, scope: str, dtype: str) -> None:
         # DeepSpeed reduces gradients over its data-parallel group even when tensor parallelism leaves it one rank
         # (logged, nothing sent); it skips the all-gather after the step there.
         called = group > 1 or (collective == "all_reduce" and layout.world_size > 1)
         if called and message > 0:
-            transfers.append(Transfer(collective, purpose, float(message), int(calls), group, scope))
+            transfers.append(Transfer(collective, purpose, float(message), int(calls), group, scope, dtype))
 
     bucket_calls = max(1, math.ceil(dense_total / setup.reduce_bucket_size))
     if setup.stage in (0, 1):
-        add("all_reduce", "gradients, once per step", grad_bytes * dense_total, bucket_calls, zero_ranks, zero_scope)
+        add("all_reduce", "gradients, once per step", grad_bytes * dense_total, bucket_calls, zero_ranks, zero_scope,
+            grad_dtype)  # fmt: skip
     elif setup.stage == 2:
         add(
             "all_reduce",
@@ -398,6 +409,7 @@ def plan_communication(facts: ModelFacts, setup: CommSetup, layout: ParallelLayo
             a * bucket_calls,
             zero_ranks,
             zero_scope,
+            grad_dtype,
         )
     if setup.stage in (1, 2):
         shard = shard_elements(dense_total, zero_ranks)
@@ -408,17 +420,18 @@ def plan_communication(facts: ModelFacts, setup: CommSetup, layout: ParallelLayo
             setup.param_groups,
             zero_ranks,
             zero_scope,
+            setup.precision,
         )
     if setup.stage >= 1:
         # The gradient norm (and, in 16-bit, the overflow check) is summed over the ranks once a step: bytes that do
         # not count, calls that do (stage_1_and_2.get_grad_norm_direct / has_overflow, stage3's norm in fp64).
         checks = 1 if setup.stage == 3 or setup.precision == "fp32" else 2
         add("all_reduce", "gradient norm and overflow check", 8.0 if setup.stage == 3 else 3 + checks, checks,
-            zero_ranks, zero_scope)  # fmt: skip
+            zero_ranks, zero_scope, "fp32")  # fmt: skip
     if setup.stage == 3:
         transfers += _stage3(numels, setup, zero_ranks, zero_scope, tp)
     if expert_numel:
-        transfers += _experts(expert_numel, setup, layout, grad_bytes)
+        transfers += _experts(expert_numel, setup, layout, grad_dtype)
     transfers += _activations(facts, setup, layout)
     return CommPlan(tuple(transfers))
 
@@ -447,6 +460,7 @@ def _stage3(numels: tuple[int, ...], setup: CommSetup, ranks: int, scope: str, t
                 a * forward_calls,
                 ranks,
                 scope,
+                "int8" if setup.quantized_weights else setup.precision,
             )
         )
     if regathered and ranks > 1:
@@ -462,6 +476,7 @@ def _stage3(numels: tuple[int, ...], setup: CommSetup, ranks: int, scope: str, t
                 a * len(regathered),
                 group,
                 group_scope(group, tp, setup.ranks_per_node) if hpz > 1 else scope,
+                setup.precision,
             )
         )
     persistent = [n for n in numels if n <= setup.persistence_threshold]
@@ -476,6 +491,7 @@ def _stage3(numels: tuple[int, ...], setup: CommSetup, ranks: int, scope: str, t
                 len(persistent),
                 ranks,
                 scope,
+                setup.precision,
             )
         )
     if ranks > 1:
@@ -490,16 +506,25 @@ def _stage3(numels: tuple[int, ...], setup: CommSetup, ranks: int, scope: str, t
                     calls,
                     ranks,
                     scope,
+                    "int4",
                 )
             )
         else:
             transfers.append(
-                Transfer("reduce_scatter", "gradients, every micro-batch", a * p * padded, calls, ranks, scope)
+                Transfer(
+                    "reduce_scatter",
+                    "gradients, every micro-batch",
+                    a * p * padded,
+                    calls,
+                    ranks,
+                    scope,
+                    setup.precision,
+                )
             )
     return transfers
 
 
-def _experts(expert_numel: int, setup: CommSetup, layout: ParallelLayout, grad_bytes: int) -> list[Transfer]:
+def _experts(expert_numel: int, setup: CommSetup, layout: ParallelLayout, grad_dtype: str) -> list[Transfer]:
     """Expert parameters are ZeRO-partitioned over the expert-data-parallel group (DP / EP ranks, stride EP x TP)."""
     group = layout.expert_data_parallel
     if layout.world_size <= 1:
@@ -511,10 +536,11 @@ def _experts(expert_numel: int, setup: CommSetup, layout: ParallelLayout, grad_b
         Transfer(
             "all_reduce",
             "expert gradients over the expert-data-parallel group",
-            per_step * grad_bytes * expert_numel,
+            per_step * WORKING_BYTES[grad_dtype] * expert_numel,
             per_step,
             group,
             scope,
+            grad_dtype,
         )
     ]
     if setup.stage in (1, 2) and group > 1:
@@ -526,6 +552,7 @@ def _experts(expert_numel: int, setup: CommSetup, layout: ParallelLayout, grad_b
                 1,
                 group,
                 scope,
+                setup.precision,
             )
         )
     return transfers
@@ -577,6 +604,7 @@ def _activations(facts: ModelFacts, setup: CommSetup, layout: ParallelLayout) ->
                 a * calls,
                 layout.tensor,
                 scope,
+                setup.precision,
             )
         )
         if facts.vocab_size:
@@ -588,6 +616,7 @@ def _activations(facts: ModelFacts, setup: CommSetup, layout: ParallelLayout) ->
                     a,
                     layout.tensor,
                     scope,
+                    setup.precision,
                 )
             )
     if layout.sequence > 1:
@@ -605,6 +634,7 @@ def _activations(facts: ModelFacts, setup: CommSetup, layout: ParallelLayout) ->
                 a * 2 * 4 * layers,
                 layout.sequence,
                 group_scope(layout.sequence, layout.tensor, rpn),
+                setup.precision,
             )
         )
     if layout.expert > 1 and facts.num_experts:
@@ -624,6 +654,7 @@ def _activations(facts: ModelFacts, setup: CommSetup, layout: ParallelLayout) ->
                 a * 4 * layers,
                 layout.expert,
                 group_scope(layout.expert, layout.tensor, rpn),
+                setup.precision,
             )
         )
     return transfers
@@ -690,10 +721,22 @@ def parse_link(text: str) -> Link:
 
 @dataclass(frozen=True)
 class MeasuredLinks:
-    """Per collective, a link fitted to ``doctor --collectives``'s timings: seconds = latency + bus bytes / rate."""
+    """Per collective, a link fitted to ``doctor --collectives``'s timings: seconds = latency + bus bytes / rate.
+
+    Attributes:
+        world_size: the ranks doctor measured over.
+        links: per collective, fp32's fit (or, where doctor measured no fp32, its first dtype's).
+        by_dtype: per measured dtype, per collective, its fit.
+    """
 
     world_size: int
     links: dict[str, Link] = field(default_factory=dict)
+    by_dtype: dict[str, dict[str, Link]] = field(default_factory=dict)
+
+    def for_dtype(self, dtype: str) -> dict[str, Link]:
+        """The fits that price a buffer of ``dtype``: its own, else a measured dtype of its width, else
+        :attr:`links` (see :data:`SAME_WIDTH`)."""
+        return self.by_dtype.get(dtype) or self.by_dtype.get(SAME_WIDTH.get(dtype, "")) or self.links
 
 
 def fit_link(name: str, rows: list[tuple[float, float]]) -> Link:
@@ -732,12 +775,18 @@ def links_from_doctor(document: dict[str, Any], world_size: int | None = None) -
             f"--bandwidth-from: doctor.json measured {ranks} ranks but the plan has {world_size}: a collective's bus "
             "bandwidth depends on how many ranks share it; measure again with the run's ranks"
         )
-    points: dict[str, list[tuple[float, float]]] = {}
+    points: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for row in measured["collectives"]:
         op, size, seconds = row["op"], float(row["bytes"]), float(row["seconds"])
+        dtype = row.get("dtype", "fp32")  # a doctor.json from before doctor measured per dtype: fp32 buffers
         if op in BUS_FACTOR and seconds > 0:
-            points.setdefault(op, []).append((size * BUS_FACTOR[op](ranks), seconds))
-    return MeasuredLinks(ranks, {op: fit_link(op, rows) for op, rows in points.items()})
+            points.setdefault(dtype, {}).setdefault(op, []).append((size * BUS_FACTOR[op](ranks), seconds))
+    by_dtype = {
+        dtype: {op: fit_link(f"{op} ({dtype})" if dtype != "fp32" else op, rows) for op, rows in ops.items()}
+        for dtype, ops in points.items()
+    }
+    default = by_dtype.get("fp32") or next(iter(by_dtype.values()), {})
+    return MeasuredLinks(ranks, default, by_dtype)
 
 
 def transfer_seconds(transfer: Transfer, link: Link) -> float:
@@ -749,12 +798,14 @@ def transfer_seconds(transfer: Transfer, link: Link) -> float:
 
 def link_for(transfer: Transfer, intra: Link | MeasuredLinks, inter: Link | MeasuredLinks | None) -> Link:
     """The link a transfer runs on: the network for a group that crosses nodes (the slower link bounds a ring),
-    else the node's; a measured set gives the collective's own fit (all-to-all and point-to-point borrow
-    all-gather's, the collective of the same bus factor)."""
+    else the node's; a measured set gives the collective's own fit in the dtype the transfer moves
+    (:meth:`MeasuredLinks.for_dtype`; all-to-all and point-to-point borrow all-gather's, the collective of the same
+    bus factor)."""
     chosen = inter if (transfer.scope == "inter_node" and inter is not None) else intra
     if isinstance(chosen, MeasuredLinks):
-        op = transfer.collective if transfer.collective in chosen.links else "all_gather"
-        return chosen.links[op]
+        links = chosen.for_dtype(transfer.dtype)
+        op = transfer.collective if transfer.collective in links else "all_gather"
+        return links[op]
     return chosen
 
 

@@ -39,7 +39,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from common.communication import BUS_FACTOR
-from common.errors import ConfigError, exit_on_user_error
+from common.errors import ConfigError, exit_on_user_error, nearest
 from common.hang import HANG_FOLDER, analyze, format_diagnosis, rank_line, read_reports
 from common.lint import RULES, LintView
 from common.memory_formulas import parse_bytes
@@ -434,6 +434,9 @@ def env_settings(environ: dict[str, str] | None = None) -> list[dict[str, str]]:
 
 # The collectives --collectives times: ZeRO's three (nccl-tests' bus factors from the communication account).
 MEASURED_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+# The buffers --collectives times, by the dtype names the planner gives its transfers (common.communication): a
+# backend may move one dtype slower than another per byte (gloo reduces bf16 on a CPU slower than fp32).
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def bus_bandwidth(op: str, message_bytes: float, seconds: float, world_size: int) -> float:
@@ -486,12 +489,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_collective(op: str, message_bytes: int, iters: int, device: torch.device, group: Any = None) -> float:
-    """Seconds per call, the slowest rank's (a collective ends when its last rank does)."""
+def buffer_elements(message_bytes: int, world: int, dtype: str) -> int:
+    """Elements of ``dtype`` in a collective's buffer of about ``message_bytes``, divisible by the world size."""
+    element = torch.tensor([], dtype=TORCH_DTYPES[dtype]).element_size()
+    return max(world, message_bytes // element // world * world)
+
+
+def _time_collective(
+    op: str, message_bytes: int, iters: int, device: torch.device, group: Any = None, dtype: str = "fp32"
+) -> float:
+    """Seconds per call on a buffer of ``message_bytes`` holding ``dtype``, the slowest rank's (a collective ends when
+    its last rank does)."""
     world = dist.get_world_size(group)
-    count = max(world, message_bytes // 4 // world * world)  # float32 elements, divisible by the world size
-    full = torch.ones(count, device=device)
-    shard = torch.ones(count // world, device=device)
+    count = buffer_elements(message_bytes, world, dtype)
+    full = torch.ones(count, device=device, dtype=TORCH_DTYPES[dtype])
+    shard = torch.ones(count // world, device=device, dtype=TORCH_DTYPES[dtype])
 
     def once() -> None:
         if op == "all_reduce":
@@ -540,19 +552,29 @@ def _node_of_each_rank() -> list[str]:
     return everyone
 
 
-def measure_collectives(sizes_bytes: list[int], iters: int) -> dict[str, Any]:
-    """Every rank calls this inside a process group: bandwidths, per-rank speed, the slow ranks, the stage advice."""
+def measure_collectives(sizes_bytes: list[int], iters: int, dtypes: tuple[str, ...] = ("fp32",)) -> dict[str, Any]:
+    """Every rank calls this inside a process group: bandwidths (per dtype of the buffer, each row naming its
+    ``dtype``), per-rank speed, the slow ranks, the stage advice."""
     device = _device()
     world = dist.get_world_size()
     nodes = _node_of_each_rank()
     rows = []
-    for op in MEASURED_OPS:
-        for size in sizes_bytes:
-            seconds = _time_collective(op, size, iters, device)
-            busbw = bus_bandwidth(op, size, seconds, world)
-            rows.append(
-                {"op": op, "bytes": size, "seconds": seconds, "busbw_GBps": busbw / 1e9, "busbw_Gbps": busbw * 8 / 1e9}
-            )
+    for dtype in dtypes:
+        for op in MEASURED_OPS:
+            for size in sizes_bytes:
+                seconds = _time_collective(op, size, iters, device, dtype=dtype)
+                busbw = bus_bandwidth(op, size, seconds, world)
+                rows.append(
+                    {
+                        "op": op,
+                        "dtype": dtype,
+                        "elements": buffer_elements(size, world, dtype),
+                        "bytes": size,
+                        "seconds": seconds,
+                        "busbw_GBps": busbw / 1e9,
+                        "busbw_Gbps": busbw * 8 / 1e9,
+                    }
+                )
     leaders = sorted({nodes.index(node) for node in nodes})  # the first rank of each node
     inter_node_gbps = None
     if len(leaders) > 1:
@@ -748,10 +770,10 @@ def render_report(report: dict[str, Any]) -> str:
             "",
             f"measured ({measured['world_size']} ranks, {measured['backend']}, nodes: {len(set(measured['nodes']))}):",
         ]
-        lines.append("  op                   bytes   time/call     bus bandwidth")
+        lines.append("  op             dtype       bytes   time/call     bus bandwidth")
         for row in measured["collectives"]:
             lines.append(
-                f"  {row['op']:<14} {row['bytes']:>11,}  {row['seconds'] * 1e3:9.3f} ms  "
+                f"  {row['op']:<14} {row.get('dtype', 'fp32'):<5} {row['bytes']:>11,}  {row['seconds'] * 1e3:9.3f} ms  "
                 f"{row['busbw_GBps']:8.3f} GB/s ({row['busbw_Gbps']:.2f} Gbps)"
             )
         speeds = ", ".join(f"rank {r}: {s:.1f}" for r, s in enumerate(measured["matmul_gflops"]))
@@ -795,10 +817,28 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def parse_dtypes(text: str) -> tuple[str, ...]:
+    """``fp32,bf16`` -> ("fp32", "bf16"): the buffers ``--collectives`` times, each once.
+
+    Raises:
+        ConfigError: an unknown dtype (naming the nearest) or none at all.
+    """
+    names = [item.strip().lower() for item in text.split(",") if item.strip()]
+    for name in names:
+        if name not in TORCH_DTYPES:
+            raise ConfigError(
+                f"--dtypes: unknown dtype {name!r}{nearest(name, TORCH_DTYPES)}; use {', '.join(TORCH_DTYPES)}"
+            )
+    if not names:
+        raise ConfigError(f"--dtypes: name at least one of {', '.join(TORCH_DTYPES)}")
+    return tuple(dict.fromkeys(names))
+
+
 # Options that one mode reads and the others do not (common/tools/options.py refuses them there).
-COLLECTIVES_OPTIONS = {"sizes": "--sizes", "iters": "--iters"}
+COLLECTIVES_OPTIONS = {"sizes": "--sizes", "iters": "--iters", "dtypes": "--dtypes"}
 REPORT_OPTIONS = {"out": "--out", "checkpoint_path": "--checkpoint-path"}  # the modes that write doctor.json
-DEFAULT_SIZES, DEFAULT_ITERS = "64KiB,1MiB,16MiB", 10
+# fp32 and bf16 buffers: what the planner prices a bf16 run's gradients and parameters at, beside the fp32 figure.
+DEFAULT_SIZES, DEFAULT_ITERS, DEFAULT_DTYPES = "64KiB,1MiB,16MiB", 10, "fp32,bf16"
 
 
 def cmd_doctor(args: Any) -> int:
@@ -828,9 +868,10 @@ def cmd_collectives(args: Any) -> int:
             "torchrun --nproc_per_node 2 -m common.tools.doctor --collectives"
         )
     sizes = parse_sizes(args.sizes or DEFAULT_SIZES)
+    dtypes = parse_dtypes(args.dtypes or DEFAULT_DTYPES)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        measured = measure_collectives(sizes, args.iters or DEFAULT_ITERS)
+        measured = measure_collectives(sizes, args.iters or DEFAULT_ITERS, dtypes)
         if dist.get_rank() != 0:
             return 0
         report = local_report(Path(args.checkpoint_path or "."))
@@ -890,6 +931,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help=f"--collectives: timed calls per collective and size (default {DEFAULT_ITERS})",
+    )
+    p.add_argument(
+        "--dtypes",
+        default=None,
+        help=f"--collectives: the buffers' dtypes, each measured ({', '.join(TORCH_DTYPES)}; default "
+        f"{DEFAULT_DTYPES}): the planner prices each transfer at its own dtype's bandwidth",
     )
     p.set_defaults(func=cmd_doctor)
 

@@ -23,7 +23,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from common.accounting import model_state_bytes
 from common.activation import apply_activation_checkpointing
 from common.checkpoint import gather_full_state_dict, save_hf_model
-from common.comms_log import communication_beside_plan, logged_steps, logs_communication
+from common.comms_log import summary_communication
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
 from common.describe import RecipeDescription, local_world
@@ -328,15 +328,6 @@ class CVSummary:
         )
 
 
-def logged_communication(cfg: CVConfig, ds_config: dict[str, Any], model: torch.nn.Module) -> dict[str, Any] | None:
-    """``summary.json``'s ``communication`` when the config turns DeepSpeed's ``comms_logger`` on: this rank's
-    collectives per optimizer step beside the planner's bytes (common.comms_log); None otherwise."""
-    if not logs_communication(ds_config):
-        return None
-    groups = len(param_groups(model, cfg.weight_decay))
-    return communication_beside_plan(logged_steps(), describe(cfg), param_groups=groups)
-
-
 def finish(
     cfg: CVConfig,
     ds_config: dict[str, Any],
@@ -396,5 +387,5 @@ def finish(
         steps=steps,
         resumed_from_step=start_step or None,
         export_check=export_check,
-        communication=logged_communication(cfg, ds_config, model),
+        communication=summary_communication(ds_config, lambda: describe(cfg)),
     )

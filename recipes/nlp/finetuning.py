@@ -28,6 +28,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from common import sequence_parallel
 from common.activation import apply_activation_checkpointing
 from common.checkpoint import latest_checkpoint, save_hf_model
+from common.comms_log import summary_communication
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
 from common.describe import RecipeDescription, local_world
@@ -470,6 +471,13 @@ class FinetuneSummary:
     adapter_check: dict[str, Any]
     adapter_logits_check: dict[str, Any]
     merged_max_abs_logit_diff: float
+    communication: dict[str, Any] | None = None  # with comms_logger.enabled: logged bytes per step beside the plan
+
+    def to_json(self) -> dict[str, Any]:
+        summary = dataclasses.asdict(self)
+        if self.communication is None:
+            del summary["communication"]
+        return summary
 
 
 def initial_val_loss(out_dir: Path) -> float | None:
@@ -537,12 +545,13 @@ def make_summary(
         adapter_check=export.adapter_check,
         adapter_logits_check=export.adapter_logits_check,
         merged_max_abs_logit_diff=export.merged_max_abs_logit_diff,
+        communication=summary_communication(ds_config, lambda: describe(cfg)),
     )
 
 
 def write_summary(out_dir: Path, summary: FinetuneSummary) -> None:
     """Rank 0, at the very end: ``summary.json`` and the run's one-line result."""
-    write_json_atomic(out_dir / "summary.json", dataclasses.asdict(summary))
+    write_json_atomic(out_dir / "summary.json", summary.to_json())
     print(
         f"exact match {summary.val_accuracy:.3f} (base {summary.base_val_accuracy:.3f}, majority answer "
         f"{summary.majority_baseline_accuracy:.3f}); val_loss {summary.val_loss:.4f}; "

@@ -27,6 +27,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from common import sequence_parallel, tiling
 from common.activation import apply_activation_checkpointing, enable_offloadable_checkpointing
 from common.checkpoint import gather_full_state_dict, save_hf_model
+from common.comms_log import summary_communication
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
 from common.describe import RecipeDescription, local_world
@@ -439,9 +440,13 @@ class NLPSummary:
     sample: str
     pipeline: dict[str, Any] | None = None  # train_pipeline.py: stages, micro-batches, parameter bytes of each rank
     moe: dict[str, Any] | None = None  # MoE runs: experts, top_k, expert_parallel, the last logged aux_loss
+    communication: dict[str, Any] | None = None  # with comms_logger.enabled: logged bytes per step beside the plan
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        summary = dataclasses.asdict(self)
+        if self.communication is None:
+            del summary["communication"]
+        return summary
 
     def headline(self, out_dir: Path) -> str:
         """The lines printed when the run ends."""
@@ -521,4 +526,7 @@ def summarize(
         sample=sample,
         pipeline=pipeline,
         moe=cfg.family.summary(run.model_config, aux_losses),
+        communication=summary_communication(
+            ds_config, lambda: describe(cfg, pipeline_engine=run.backend == "deepspeed_pipeline")
+        ),
     )

@@ -22,6 +22,7 @@ from science_config import GENERATED_DATA, INITIAL_FIELDS, ScienceConfig  # next
 from common.accounting import model_state_bytes
 from common.activation import apply_activation_checkpointing
 from common.checkpoint import gather_full_state_dict
+from common.comms_log import summary_communication
 from common.config import config_to_dict, dump_yaml, parse_overrides
 from common.data import StepSampler
 from common.describe import RecipeDescription, local_world
@@ -334,11 +335,14 @@ class ScienceSummary:
     val_rel_l2_superres: float | None  # zero-shot at superres_grid_size; both absent from the file when not tested
     superres_grid_size: int | None
     data_meta: dict[str, Any]
+    communication: dict[str, Any] | None = None  # with comms_logger.enabled: logged bytes per step beside the plan
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         if self.val_rel_l2_superres is None:
             del data["val_rel_l2_superres"], data["superres_grid_size"]
+        if self.communication is None:
+            del data["communication"]
         return data
 
     def headline(self, out_dir: Path) -> str:
@@ -425,4 +429,5 @@ def finish(
         val_rel_l2_superres=fine_error,
         superres_grid_size=fine_x.shape[-1] if fine_x is not None else None,
         data_meta=data.meta,
+        communication=summary_communication(ds_config, lambda: describe(cfg)),
     )

@@ -2,9 +2,12 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
+from bench.communication import LAYOUTS, MICRO_BATCH, SEQ
+from common.comms_log import trainable_model
 from common.communication import (
     LINK_CLASSES,
     CommSetup,
@@ -13,6 +16,7 @@ from common.communication import (
     compute_seconds,
     expert_capacity,
     forward_numels,
+    link_for,
     links_from_doctor,
     parse_link,
     plan_communication,
@@ -26,6 +30,7 @@ from common.communication import (
 from common.errors import ConfigError
 from common.memory_formulas import ModelFacts, assumed_transformer
 from common.parallel import ParallelLayout
+from nlp.moe import MOE_SIZES
 
 # A model of five parameters in forward order: two matrices of 1000, two norms of 10 and a head of 501 elements.
 NUMELS = (1000, 10, 1000, 10, 501)
@@ -227,6 +232,50 @@ def test_measured_links_from_doctor_fit_latency_and_rate():
         links_from_doctor({"versions": {}}, world_size=2)
 
 
+def doctor_json_per_dtype(world: int, rates: dict[str, float]) -> dict:
+    """doctor.json as ``doctor --collectives --dtypes`` writes it: every row names its buffer's dtype."""
+    rows = []
+    for dtype, rate in rates.items():
+        for op, factor in (("all_reduce", 2 * (world - 1) / world), ("all_gather", (world - 1) / world)):
+            for size in (65536, 1 << 20, 16 << 20):
+                rows.append({"op": op, "dtype": dtype, "bytes": size, "seconds": 1e-4 + size * factor / rate})
+    return {"measured": {"world_size": world, "collectives": rows}}
+
+
+def test_each_transfer_is_priced_at_the_bandwidth_of_the_dtype_it_moves():
+    """A bf16 stage-2 step's gradients and parameters move bf16 buffers: priced at doctor's bf16 fit (here 1.2x slower
+    per byte than fp32, as gloo's bf16 all-reduce measured on this CPU), by hand: per transfer latency x calls + bus
+    bytes / rate. An fp32 run is priced at the fp32 fit; fp16 borrows bf16's (same width); qgZ's int4 all-to-all
+    and a doctor.json from before the dtypes (no ``dtype`` key: fp32 buffers) fall back to fp32's."""
+    links = links_from_doctor(doctor_json_per_dtype(2, {"fp32": 2.4e9, "bf16": 2e9}), world_size=2)
+    assert links.links["all_reduce"].bus_bytes_per_s == pytest.approx(2.4e9)  # the fp32 fit stays the default
+    assert links.by_dtype["bf16"]["all_reduce"].bus_bytes_per_s == pytest.approx(2e9)
+    bf16 = plan(2, precision="bf16")
+    assert {t.dtype for t in bf16.transfers if t.message_bytes > 64} == {"bf16"}  # all but the norm's scalars
+
+    def by_hand(p, rate: float) -> float:
+        return sum(1e-4 * t.calls + t.sent_bytes / rate for t in p.transfers)
+
+    # The norm's scalar all-reduce moves fp32: priced at 2.4e9, a difference of nanoseconds.
+    assert plan_seconds(bf16, links) == pytest.approx(by_hand(bf16, 2e9), rel=1e-5)
+    fp32 = plan(2, precision="fp32")
+    assert plan_seconds(fp32, links) == pytest.approx(by_hand(fp32, 2.4e9), rel=1e-5)
+    fp16 = plan(2, precision="fp16")
+    assert plan_seconds(fp16, links) == pytest.approx(by_hand(fp16, 2e9), rel=1e-5)
+    legacy = links_from_doctor(doctor_json(2), world_size=2)
+    assert plan_seconds(bf16, legacy) == pytest.approx(by_hand(bf16, 2e9), rel=1e-5)  # doctor_json's rate: 2e9
+    int4 = plan(3, precision="bf16", quantized_gradients=True)
+    qgz = next(t for t in int4.transfers if t.collective == "all_to_all")
+    assert qgz.dtype == "int4" and link_for(qgz, links, None) is links.links["all_gather"]
+
+
+def test_sequence_parallel_stage_2_reduces_gradients_in_fp32():
+    """stage_1_and_2.allreduce_bucket reduces in fp32 under sequence parallelism: those gradients are priced as fp32."""
+    p = plan(2, ParallelLayout(world_size=2, sequence=2), precision="bf16")
+    gradients = next(t for t in p.transfers if t.purpose.startswith("gradients"))
+    assert gradients.dtype == "fp32" and gradients.message_bytes == 4 * K
+
+
 def test_bad_setups_are_one_line_errors():
     for kwargs, match in (
         ({"stage": 4}, "stage"),
@@ -294,3 +343,42 @@ def test_the_recipes_token_dropping_keys_reach_the_plan():
     assert (dropping.moe_drop_tokens, dropping.moe_min_capacity, dropping.stage) == (True, 40, 2)
     default = with_recipe_moe(base, {"model": "moe_tiny"})
     assert (default.moe_drop_tokens, default.moe_min_capacity) == (False, 4)
+
+
+def test_the_benchs_token_dropping_row_tells_a_plan_that_models_dropping_from_one_that_does_not():
+    """bench/communication.py's token-dropping row runs the NLP recipe's moe_tiny (4 experts, top-2) on 2 x 64 tokens
+    at capacity factor 1: DeepSpeed's capacity there, ceil(128 / 4 x 2) = 64, is exactly the slot even routing fills,
+    so a planner that ignored the dropping would match the log as well. The row's ``moe_min_capacity`` raises every
+    slot above it: only the plan that models DeepSpeed's capacity matches, the other is 64 / min_capacity of it."""
+    keys = next(keys for name, keys in LAYOUTS if "token dropping" in name)
+    row = dict(key.split("=", 1) for key in keys)
+    assert row["model"] == "moe_tiny" and row["moe_drop_tokens"] == "true"
+    size = MOE_SIZES["moe_tiny"]
+    experts, top_k, tokens = size["num_local_experts"], size["num_experts_per_tok"], MICRO_BATCH * SEQ
+    min_capacity = int(row["moe_min_capacity"])
+    even_slot = tokens * top_k // experts  # 64
+    assert min_capacity > even_slot
+    facts = replace(MOE, num_experts=experts)
+    common = dict(precision="bf16", tokens_per_micro_batch=tokens, moe_top_k=top_k, moe_capacity_factor=1.0)
+    dropping = plan(2, EP2, facts, moe_drop_tokens=True, moe_min_capacity=min_capacity, **common)
+    ignoring = plan(2, EP2, facts, moe_drop_tokens=False, moe_min_capacity=min_capacity, **common)
+    layers, h = facts.num_layers, facts.hidden_size
+    assert dropping.message_bytes("all_to_all") == 4 * layers * experts * min_capacity * h * 2  # every slot at 80
+    assert ignoring.message_bytes("all_to_all") == 4 * layers * experts * even_slot * h * 2  # the even-routing slot
+    assert ignoring.message_bytes("all_to_all") < dropping.message_bytes("all_to_all")
+    # Without the row's minimum (DeepSpeed's default, 4) the two plans are the same: the row could not tell them apart.
+    same = [plan(2, EP2, facts, moe_drop_tokens=d, **common).message_bytes("all_to_all") for d in (True, False)]
+    assert same[0] == same[1]
+
+
+def test_a_partly_frozen_model_is_planned_from_its_trainable_elements_under_stages_0_to_2():
+    """LoRA: under stages 0-2 only the trainable parameters' gradients are reduced and their partitions gathered, so
+    the plan is that of the trainable elements (by hand: 2 B x 600 reduced, 2 B x 300 gathered at stage 2 over 2
+    ranks); stage 3 also gathers the frozen ones, which the planner does not model (None); a model that trains
+    every parameter, or one whose counts are unknown, is planned whole."""
+    assert trainable_model(FACTS, 2, None) is FACTS and trainable_model(FACTS, 2, (K, K)) is FACTS
+    assert trainable_model(FACTS, 3, (600, K)) is None
+    lora = trainable_model(FACTS, 2, (600, K))
+    p = plan_communication(lora, CommSetup(stage=2, precision="bf16"), TWO)
+    gradients = next(t for t in p.transfers if t.purpose.startswith("gradients"))
+    assert gradients.message_bytes == 2 * 600 and p.message_bytes("all_gather") == 2 * 300

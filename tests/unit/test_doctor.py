@@ -20,7 +20,7 @@ import pytest
 from common import hang
 from common.hang import analyze, crash_frames, format_diagnosis, read_reports, settings_for
 from common.tools import cli, doctor
-from common.tools.doctor import bus_bandwidth, parse_sizes, slow_ranks, stage_advice, version_checks
+from common.tools.doctor import bus_bandwidth, parse_dtypes, parse_sizes, slow_ranks, stage_advice, version_checks
 
 EXE = shutil.which("zero-recipes")
 
@@ -48,6 +48,7 @@ def test_doctor_on_this_machine_says_no_gpu_and_gives_the_cpu_facts(tmp_path, ca
     [
         (["doctor", "--collectives"], "launch it like a recipe"),
         (["doctor", "--hang", "{tmp}"], "no hang reports in"),
+        (["doctor", "--dtypes", "bf16"], "--dtypes"),  # read by --collectives only
     ],
 )
 def test_doctor_refuses_with_one_line(tmp_path, capsys, monkeypatch, argv, says):
@@ -79,6 +80,14 @@ def test_build_ops_without_a_compiler_fails_and_says_which_op(tmp_path):
     statuses = op_statuses(proc.stdout)
     assert statuses == {"deepspeed_shm_comm": "failed", "cpu_adam": "failed", "async_io": "unavailable"}, proc.stdout
     assert "apt-get install libaio-dev" in proc.stdout
+
+
+def test_dtypes_are_parsed_and_a_bad_one_names_the_nearest():
+    assert parse_dtypes("fp32, BF16,fp32") == ("fp32", "bf16")
+    with pytest.raises(doctor.ConfigError, match="did you mean 'bf16'"):
+        parse_dtypes("fp32,bf61")
+    with pytest.raises(doctor.ConfigError, match="at least one"):
+        parse_dtypes(" , ")
 
 
 def test_sizes_are_parsed_and_a_bad_one_is_refused():
