@@ -20,7 +20,7 @@ import pytest
 import yaml
 from _util import REPO, subprocess_env
 
-from common.tools import probe
+from common.tools import probe, recipes
 from common.tools.probe import Candidate, ProbeRow
 from common.tools.probe_report import communication_summary, format_offload_timing, write_config_yaml
 from common.tools.recipes import describe, find_recipe
@@ -267,16 +267,21 @@ def fake_runner(outcomes: dict[str, object]):
     return run
 
 
-def test_an_oom_candidate_is_a_row_not_a_crash(tmp_path):
+def test_an_oom_candidate_is_a_row_not_a_crash(tmp_path, monkeypatch):
     outcomes = {
         "ddp": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
         "deepspeed_stage_2": (1000.0, 900_000_000),
         "deepspeed_stage_3": (950.0, 800_000_000),
     }
     cands = probe.parse_candidates(",".join(outcomes), None)
+    described = []  # the recipe processes the probe starts to describe the runs (seconds of imports each)
+    run_recipe_process = recipes._run_recipe_process
+    monkeypatch.setattr(recipes, "_run_recipe_process", lambda *a: described.append(a[1]) or run_recipe_process(*a))
+    monkeypatch.setattr(recipes, "_DESCRIPTIONS", {})  # nothing described by an earlier test
     result = probe.run_probe(
         "nlp", cands, steps=3, devices=2, out=tmp_path, runner=fake_runner(outcomes), progress=False
     )
+    assert len(described) == 3  # the user's config, every candidate in one process, then the recommended one
     ddp = result.rows[0]
     assert ddp.status == "failed: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert ddp.out_of_memory
