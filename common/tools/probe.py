@@ -25,6 +25,7 @@ written as a YAML the candidate runs with; the report and plot are :mod:`common.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -64,7 +65,7 @@ from common.tools.probe_report import (
     write_reports,
     write_reports_partial,
 )
-from common.tools.recipes import Recipe, describe, find_recipe, recipe_env
+from common.tools.recipes import Recipe, describe, describe_runs, find_recipe, recipe_env
 
 # --- candidates and rows ------------------------------------------------------------------------------
 
@@ -150,12 +151,31 @@ def candidate_config(
 ) -> RecipeDescription:
     """The recipe's description of one candidate: the base config + the user's overrides + its presets, on
     ``devices`` processes per node (its DeepSpeed dict is then the one its ranks build)."""
+    return describe(recipe, config, candidate_overrides(candidate, overrides, devices))
+
+
+def candidate_overrides(candidate: Candidate, overrides: list[str] | None, devices: int) -> list[str]:
+    """The ``key=value`` overrides of one candidate's run: the user's, then the candidate's preset, activation
+    checkpointing and process count."""
     probe_keys = [
         f"preset={candidate.preset}",
         f"activation_checkpointing={candidate.activation_checkpointing}",
         f"devices={devices}",
     ]
-    return describe(recipe, config, [*user_overrides(overrides), *probe_keys])
+    return [*user_overrides(overrides), *probe_keys]
+
+
+def describe_candidates(
+    recipe: Recipe, candidates: list[Candidate], config: Path | None, overrides: list[str] | None, devices: int
+) -> None:
+    """Every candidate described in one recipe process before the first one runs (:func:`describe_runs`): each
+    ``--describe`` on its own would import the recipe again, seconds per candidate. The answers wait in
+    :func:`describe`'s cache for :func:`candidate_config`; if that one process fails, each candidate is described
+    on its own as it comes, and its own error becomes its row."""
+    runs = [(config, candidate_overrides(candidate, overrides, devices)) for candidate in candidates]
+    # No answer from the shared process (it timed out or printed no JSON list): asked one by one instead.
+    with contextlib.suppress(ConfigError, ValueError, IndexError):
+        describe_runs(recipe, runs)
 
 
 def candidate_command(
@@ -518,6 +538,7 @@ def run_probe(
     )
     bar = tqdm(candidates, desc="probe", unit="candidate", disable=not progress, file=sys.stderr)
     try:
+        describe_candidates(recipe, candidates, config, overrides, devices)
         for candidate in bar:
             bar.set_postfix_str(candidate.name)
             run_dir = (out / "runs" / candidate.name).resolve()

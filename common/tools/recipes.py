@@ -260,16 +260,35 @@ def describe_configs(recipe: Recipe | str, config_paths: list[str | Path]) -> di
     """
     recipe = find_recipe(recipe) if isinstance(recipe, str) else recipe
     configs = [Path(c).resolve() for c in config_paths]
-    command = [sys.executable, "-m", "common.tools.recipes", str(recipe.script), *map(str, configs)]
-    answers = json.loads(_run_recipe_process(recipe, command).stdout.strip().splitlines()[-1])
-    for config, answer in zip(configs, answers):
-        alone = describe_command(recipe, config, [])  # the command the answer stands for, named in a failure
-        _DESCRIPTIONS[(str(recipe.script), str(config), ())] = _answer(recipe, alone, answer)
-    return {
-        config: answer
-        for config in configs
-        if isinstance(answer := _DESCRIPTIONS[(str(recipe.script), str(config), ())], RecipeDescription)
-    }
+    answers = describe_runs(recipe, [(config, []) for config in configs])
+    return {config: answer for config, answer in zip(configs, answers) if isinstance(answer, RecipeDescription)}
+
+
+def describe_runs(
+    recipe: Recipe | str, runs: list[tuple[str | Path | None, list[str]]]
+) -> list[RecipeDescription | ConfigError]:
+    """:func:`describe` of several runs (a config file or None, and ``key=value`` overrides) in one recipe process.
+
+    Each run is the entry script's own ``--describe [--config F] [key=value ...]``, re-executed in one interpreter
+    (see :func:`describe_configs`); the answers fill :func:`describe`'s cache, so that ``describe(recipe, F,
+    overrides)`` of each returns at once, or raises (once) the error the recipe refused it with. The probe describes
+    all of its candidates this way before it runs the first one.
+
+    Returns:
+        Per run, in order: its description, or the error :func:`describe` raises for it.
+    """
+    recipe = find_recipe(recipe) if isinstance(recipe, str) else recipe
+    asked = [(Path(config).resolve() if config else None, [str(o) for o in overrides]) for config, overrides in runs]
+    argvs = [describe_command(recipe, config, overrides)[3:] for config, overrides in asked]  # after --describe
+    command = [sys.executable, "-m", "common.tools.recipes", str(recipe.script), json.dumps(argvs)]
+    ran = json.loads(_run_recipe_process(recipe, command).stdout.strip().splitlines()[-1])
+    answers = []
+    for (config, overrides), answer in zip(asked, ran):
+        alone = describe_command(recipe, config, overrides)  # the command the answer stands for, named in a failure
+        key = (str(recipe.script), str(config) if config else None, tuple(overrides))
+        _DESCRIPTIONS[key] = _answer(recipe, alone, answer)
+        answers.append(_DESCRIPTIONS[key])
+    return answers
 
 
 def _run_recipe_process(recipe: Recipe, command: list[str]) -> subprocess.CompletedProcess:
@@ -322,12 +341,12 @@ def _json_object(stdout: str, recipe: Recipe) -> dict[str, Any]:
     raise ConfigError(f"recipe {recipe.name}: {recipe.script.name} --describe printed no JSON object")
 
 
-def _describe_in_this_process(script: Path, config: str) -> dict[str, Any]:
-    """``python <script> --describe --config <config>`` run in this interpreter: its exit code, stdout and stderr."""
+def _describe_in_this_process(script: Path, arguments: list[str]) -> dict[str, Any]:
+    """``python <script> --describe <arguments>`` run in this interpreter: its exit code, stdout and stderr."""
     stdout, stderr = io.StringIO(), io.StringIO()
     returncode = 0
     argv = sys.argv
-    sys.argv = [str(script), "--describe", "--config", config]
+    sys.argv = [str(script), "--describe", *arguments]
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             runpy.run_path(str(script), run_name="__main__")
@@ -344,11 +363,12 @@ def _describe_in_this_process(script: Path, config: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m common.tools.recipes SCRIPT CONFIG...``: :func:`describe_configs`'s recipe process. Prints one
-    JSON list, an ``{returncode, stdout, stderr}`` object per config, as the last line of stdout."""
-    script, *configs = argv if argv is not None else sys.argv[1:]
+    """``python -m common.tools.recipes SCRIPT ARGUMENTS``: :func:`describe_runs`'s recipe process. ``ARGUMENTS`` is a
+    JSON list of the argument lists after ``--describe``, one per run. Prints one JSON list, an ``{returncode,
+    stdout, stderr}`` object per run, as the last line of stdout."""
+    script, arguments = argv if argv is not None else sys.argv[1:]
     sys.path.insert(0, str(Path(script).parent))  # what `python SCRIPT` puts first: the recipe's own modules
-    answers = [_describe_in_this_process(Path(script), config) for config in configs]
+    answers = [_describe_in_this_process(Path(script), run) for run in json.loads(arguments)]
     print(json.dumps(answers))
 
 

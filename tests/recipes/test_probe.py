@@ -20,7 +20,7 @@ import pytest
 import yaml
 from _util import REPO, subprocess_env
 
-from common.tools import probe
+from common.tools import probe, recipes
 from common.tools.probe import Candidate, ProbeRow
 from common.tools.probe_report import communication_summary, format_offload_timing, write_config_yaml
 from common.tools.recipes import describe, find_recipe
@@ -267,16 +267,21 @@ def fake_runner(outcomes: dict[str, object]):
     return run
 
 
-def test_an_oom_candidate_is_a_row_not_a_crash(tmp_path):
+def test_an_oom_candidate_is_a_row_not_a_crash(tmp_path, monkeypatch):
     outcomes = {
         "ddp": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
         "deepspeed_stage_2": (1000.0, 900_000_000),
         "deepspeed_stage_3": (950.0, 800_000_000),
     }
     cands = probe.parse_candidates(",".join(outcomes), None)
+    described = []  # the recipe processes the probe starts to describe the runs (seconds of imports each)
+    run_recipe_process = recipes._run_recipe_process
+    monkeypatch.setattr(recipes, "_run_recipe_process", lambda *a: described.append(a[1]) or run_recipe_process(*a))
+    monkeypatch.setattr(recipes, "_DESCRIPTIONS", {})  # nothing described by an earlier test
     result = probe.run_probe(
         "nlp", cands, steps=3, devices=2, out=tmp_path, runner=fake_runner(outcomes), progress=False
     )
+    assert len(described) == 3  # the user's config, every candidate in one process, then the recommended one
     ddp = result.rows[0]
     assert ddp.status == "failed: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert ddp.out_of_memory
@@ -348,8 +353,22 @@ def rows_written(report: Path) -> int:
         return 0
 
 
+@pytest.fixture
+def stdlib_tokenizer(tmp_path_factory) -> Path:
+    """The BPE tokenizer an NLP candidate trains on the standard library's train split when given none (2-3 s a
+    candidate), trained once here, as the recipe trains it: the candidates load it with ``tokenizer=``."""
+    from nlp.data import read_files, split_files, stdlib_source_files, train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    train_files, _ = split_files(stdlib_source_files(), val_fraction=0.05, seed=0)
+    train_bpe_tokenizer(read_files(train_files), vocab_size=4096, out_dir=folder)
+    return folder
+
+
 @pytest.mark.slow
-def test_probe_four_candidates_on_two_cpu_processes_then_ctrl_c_keeps_the_rows_and_leaves_no_rank(tmp_path):
+def test_probe_four_candidates_on_two_cpu_processes_then_ctrl_c_keeps_the_rows_and_leaves_no_rank(
+    tmp_path, stdlib_tokenizer
+):
     """One real probe, the one a user runs: four candidates measured, then Ctrl-C while a fifth starts its ranks.
 
     The four rows, the report, the offload timing, the communication and the recommendation come from the rows
@@ -357,7 +376,7 @@ def test_probe_four_candidates_on_two_cpu_processes_then_ctrl_c_keeps_the_rows_a
     names = ["ddp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
     interrupted = "deepspeed_stage_1"
     args = ["probe", "nlp", "--candidates", ",".join([*names, interrupted]), "--steps", "4", "--devices", "2",
-            "--out", str(tmp_path), *TINY]  # fmt: skip
+            "--out", str(tmp_path), *TINY, "--set", f"tokenizer={stdlib_tokenizer}"]  # fmt: skip
     # As from a terminal: SIGINT at its default even when this test runs in a background job (which ignores it).
     restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     start = time.perf_counter()

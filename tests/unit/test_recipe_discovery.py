@@ -201,3 +201,22 @@ def test_describe_configs_answers_for_each_config_what_its_own_describe_process_
         assert str(refused.value) == message
     assert "refused.yaml: unknown key 'widht' (did you mean 'width'" in refusals["refused.yaml"]
     assert "failed (exit 1): RuntimeError: the model would not build; run `python" in refusals["crashes.yaml"]
+
+
+def test_describe_runs_answers_each_runs_overrides_from_one_process(tmp_path, monkeypatch):
+    """What the probe asks before its first candidate: a config file or none, each with its own overrides, in one
+    recipe process; each answer is what describe(config, overrides) then returns without starting another."""
+    folder = make_recipe(tmp_path / "mine")
+    config = folder / "configs" / "tiny_cpu.yaml"
+    started = []
+    run_recipe_process = recipes._run_recipe_process
+    monkeypatch.setattr(recipes, "_run_recipe_process", lambda *a: started.append(a[1]) or run_recipe_process(*a))
+    asked = [(None, ["width=7"]), (config, ["devices=2"]), (config, ["widht=3"])]
+    wide, on_two, refused = recipes.describe_runs(str(folder), asked)
+    assert len(started) == 1
+    assert (wide.config["width"], on_two.config["width"], on_two.world_size) == (7, 5, 2)
+    assert isinstance(refused, ConfigError) and "did you mean 'width'" in str(refused)
+    assert describe(str(folder), None, ["width=7"]) is wide and describe(str(folder), config, ["devices=2"]) is on_two
+    with pytest.raises(ConfigError, match="did you mean 'width'"):
+        describe(str(folder), config, ["widht=3"])
+    assert len(started) == 1  # every answer came from the one process
