@@ -131,7 +131,8 @@ def test_an_async_fsdp2_checkpoint_resumes_on_one_process(runs, tied_model, tmp_
     assert (whole / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:06d}"
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
-    for name in ("config.yaml", "tokenizer"):  # the run's own tokenizer: a resume trains none
+    for name in ("config.yaml", "env.json", "tokenizer"):  # the run's own tokenizer (a resume trains none), env.json
+        # after it: the ranks wait for env.json before they load the tokenizer
         copy = shutil.copytree if (whole / name).is_dir() else shutil.copy2
         copy(whole / name, resumed / name)
     name = f"step_{SAVED_STEP:06d}"
