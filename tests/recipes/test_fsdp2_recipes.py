@@ -222,10 +222,10 @@ def test_sigkill_during_an_asynchronous_fsdp2_write_keeps_the_last_checkpoint_an
     tmp_path,
 ):
     """CV under ``fsdp2`` on Accelerate, ``async_save=true``, each rank's file write slowed to 3 s (the delay reaches
-    DCP writes made through common.fsdp2's writer, the Accelerate loop's; Lightning's strategy uses its own): rank 1 is
-    killed while step 8's write is in flight and the loop has gone past it. ``latest`` must still name step 4, a complete
-    DCP checkpoint, and the run resumed from it must log the killed run's own losses for steps 5-8 (the killed run
-    trained through step 9 uninterrupted: its losses are the reference)."""
+    DCP writes made through common.fsdp2's writer, the Accelerate loop's; Lightning's strategy uses its own): rank 1
+    is killed while step 8's write is in flight and the loop has gone past it. ``latest`` must still name step 4, a
+    complete DCP checkpoint, and the run resumed from it must log the killed run's own losses for steps 5-8 (the
+    killed run trained through step 9 uninterrupted: its losses are the reference)."""
     out_dir = tmp_path / "killed"
     code, processes = kill_rank_one_at(
         "accelerate",
