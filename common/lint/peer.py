@@ -115,8 +115,8 @@ def peer_findings(view: LintView, table: dict[str, Any] | None) -> list[Finding]
             "info",
             f"measured here (bench/results/peer.json, 2 CPU processes), stage {view.stage} cost more than its FSDP2 "
             f"counterpart in every repetition: " + "; ".join(phrases),
-            f"on a recipe that runs FSDP2 (cv, science), try preset={fsdp2} (the same states sharded, by torch) and "
-            f"measure both on your machine: zero-recipes probe RECIPE --candidates {zero_preset},{fsdp2}",
+            f"on a recipe that runs FSDP2 (cv, science, nlp), try preset={fsdp2} (the same states sharded, by torch) "
+            f"and measure both on your machine: zero-recipes probe RECIPE --candidates {zero_preset},{fsdp2}",
         )
     ]
 

@@ -18,6 +18,12 @@ transformers model (the run directory's ``final/`` holds a ``config.json``) the 
 config, tokenizer and weights under the model's own parameter names, with tied weights left to the config
 (``tie_word_embeddings``) as ``save_pretrained`` does.
 
+A run under an FSDP2 preset (``fsdp2``, ``fsdp2_grad_op``) checkpoints through ``torch.distributed.checkpoint``
+(DCP: a ``.metadata`` file and every rank's ``*.distcp`` shards in the step folder): its weights are rebuilt from the
+shards by :func:`common.fsdp2.consolidate_checkpoint` (the optimizer's moments are not read) and written the same
+way, to the same Hugging Face folder a ZeRO run of the same model gives. ``--verify`` then compares the export with
+torch's own reader of the checkpoint (``dcp_to_torch_save``).
+
 Pickles are loaded with ``weights_only=True`` and an allow-list of the four DeepSpeed classes a checkpoint
 holds; anything else is refused, not executed.
 """
@@ -79,6 +85,25 @@ class ZeroCheckpoint:
     aliases: dict[str, str] = field(default_factory=dict)  # shared (tied) parameter -> the one saved
     params: list[str] = field(default_factory=list)  # trainable and frozen parameter names (no buffers)
     tensor_parallel: int = 1  # mp_rank slices joined (AutoTP), 1 for an unsplit model
+    fsdp2_part: str | None = None  # an FSDP2 (DCP) checkpoint: the top-level key its weights were saved under
+
+
+@dataclass
+class LoadedTensor:
+    """A tensor already in memory, read as the ZeRO sources are (an FSDP2 checkpoint's weights, rebuilt whole)."""
+
+    tensor: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def read(self) -> torch.Tensor:
+        return self.tensor
 
 
 def locate(path: str | Path) -> tuple[Path, Path | None]:
@@ -92,17 +117,17 @@ def locate(path: str | Path) -> tuple[Path, Path | None]:
     # Follow ``latest`` pointers down to the tag folder: checkpoints/latest names the step, the step's own latest
     # (DeepSpeed's) names the tag. Two levels at most, so a pointer loop is an error, not a hang.
     for _ in range(2):
-        if list(path.glob("*_model_states.pt")) or not (path / "latest").is_file():
+        if list(path.glob("*_model_states.pt")) or is_dcp_checkpoint(path) or not (path / "latest").is_file():
             break
         tag = (path / "latest").read_text().strip()
         if not tag or not (path / tag).is_dir():
             raise ConfigError(f"{path / 'latest'} names {tag!r}, but {path / tag} is not a folder")
         path = path / tag
-    if not list(path.glob("*_model_states.pt")):
+    if not list(path.glob("*_model_states.pt")) and not is_dcp_checkpoint(path):
         raise ConfigError(
             f"{path} is not a DeepSpeed ZeRO checkpoint: expected a run directory (with checkpoints/latest), "
             "a checkpoint folder (with a 'latest' file naming its tag folder) or a folder of "
-            "*_model_states.pt and *_optim_states.pt files"
+            "*_model_states.pt and *_optim_states.pt files (or, from an FSDP2 run, a folder with DCP's .metadata)"
         )
     if run_dir is None:  # .../run/checkpoints/step_000100/<tag>: the run's files help name the weights
         for parent in path.parents:
@@ -147,9 +172,42 @@ def _optimizer_files(tag_dir: Path, world_size: int, mp_rank: int = 0) -> list[P
     return [found[rank] for rank in range(world_size)]
 
 
+def is_dcp_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` is a ``torch.distributed.checkpoint`` checkpoint (an FSDP2 run's step folder)."""
+    return (folder / ".metadata").is_file()
+
+
+def dcp_weights_part(folder: Path) -> str:
+    """The top-level key an FSDP2 checkpoint holds its weights under: ``model`` (the Accelerate loop's
+    :func:`common.fsdp2.dcp_write`) or ``state_dict`` (Lightning's ``ModelParallelStrategy``)."""
+    from common.fsdp2 import checkpoint_parts
+
+    parts = checkpoint_parts(folder)
+    for part in ("model", "state_dict"):
+        if part in parts:
+            return part
+    raise ConfigError(f"{folder} holds no model weights (a 'model' or 'state_dict' part); saved parts: {parts}")
+
+
+def open_dcp_checkpoint(step_dir: Path, run_dir: Path | None) -> ZeroCheckpoint:
+    """An FSDP2 run's DCP checkpoint, its weights rebuilt whole from every rank's shards (not its optimizer state)."""
+    from common.fsdp2 import consolidate_checkpoint
+
+    part = dcp_weights_part(step_dir)
+    weights = consolidate_checkpoint(step_dir, part)
+    ranks = {name.split("_")[2] for name in (f.name for f in step_dir.glob("__*_*.distcp"))}
+    ckpt = ZeroCheckpoint(step_dir, run_dir, stage=0, world_size=len(ranks), ds_version="", fsdp2_part=part)
+    ckpt.tensors = {name: LoadedTensor(tensor) for name, tensor in weights.items()}
+    ckpt.params = list(weights)  # buffers included: their names carry the same prefix
+    return ckpt
+
+
 def open_checkpoint(path: str | Path, trust_remote_code: bool = False) -> ZeroCheckpoint:
-    """Resolve ``path``, read the structure of every shard, and place every tensor (no tensor data is read)."""
+    """Resolve ``path``, read the structure of every shard, and place every tensor (no tensor data is read; an FSDP2
+    checkpoint's weights are read whole)."""
     tag_dir, run_dir = locate(path)
+    if is_dcp_checkpoint(tag_dir):
+        return open_dcp_checkpoint(tag_dir, run_dir)
     if any(tag_dir.glob("layer_*-model_states.pt")):
         # The NLP recipe's train_pipeline.py: DeepSpeed's pipeline engine writes one file per layer, under its own
         # layer names, and one mp_rank file per stage; none of them is a ZeRO model-states file with param_shapes.
@@ -518,6 +576,7 @@ def export_checkpoint(
     return {
         "out_dir": str(out_dir),
         "checkpoint": str(ckpt.tag_dir),
+        "fsdp2": ckpt.fsdp2_part is not None,
         "zero_stage": ckpt.stage,
         "world_size": ckpt.world_size,
         "tensor_parallel": ckpt.tensor_parallel,
@@ -567,6 +626,24 @@ def deepspeed_reference(tag_dir: Path) -> dict[str, Any]:
     except Exception as exc:  # any failure of DeepSpeed's reader means: cannot verify
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise ConfigError(f"--verify: DeepSpeed's zero_to_fp32 could not read {tag_dir} ({reason})") from None
+
+
+def dcp_reference(step_dir: Path, part: str) -> dict[str, Any]:
+    """torch's own reader of an FSDP2 (DCP) checkpoint: ``dcp_to_torch_save`` into a temporary file, loaded with
+    ``weights_only=True``; the ``part`` holding the weights. It reads the whole checkpoint (optimizer moments too)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(str(step_dir), str(file))
+        return torch.load(file, weights_only=True, map_location="cpu")[part]
+
+
+def reference_name(ckpt: ZeroCheckpoint) -> str:
+    """What ``--verify`` compares the export with, as its line names it."""
+    return "torch's dcp_to_torch_save" if ckpt.fsdp2_part else "DeepSpeed's zero_to_fp32"
 
 
 def reference_prefix(names: list[str], reference_keys: set[str]) -> str:
@@ -622,7 +699,10 @@ def verify_export(source: str | Path, out_dir: str | Path, progress: bool = True
             "final/ instead (the recipe gathers the slices there with DeepSpeed's own gather)"
         )
     weight_map = json.loads((out_dir / INDEX_NAME).read_text())["weight_map"]
-    reference = deepspeed_reference(ckpt.tag_dir)
+    if ckpt.fsdp2_part:
+        reference = dcp_reference(ckpt.tag_dir, ckpt.fsdp2_part)
+    else:
+        reference = deepspeed_reference(ckpt.tag_dir)
     prefix = reference_prefix(sorted(weight_map), set(reference))
     hf = find_hf_model(ckpt.run_dir)
     may_lack = set(hf.tied) if hf else set()
@@ -646,6 +726,7 @@ def verify_export(source: str | Path, out_dir: str | Path, progress: bool = True
             differing.append(name)
         worst = max(worst, difference)
     result: dict[str, Any] = {
+        "reference": reference_name(ckpt),
         "tensors_checked": len(weight_map),
         "max_abs_param_diff": worst,
         "differing": differing,
@@ -718,20 +799,27 @@ def cmd_export(args: argparse.Namespace) -> int:
         args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.overwrite, progress=not args.quiet
     )
     kind = "Hugging Face folder" if result["hugging_face"] else "safetensors shards + index"
+    if result["fsdp2"]:
+        written_by = f"FSDP2 (DCP) checkpoint {result['checkpoint']} (world size {result['world_size']})"
+    else:
+        written_by = (
+            f"ZeRO-{result['zero_stage']} checkpoint {result['checkpoint']} (world size {result['world_size']}, "
+            f"DeepSpeed {result['ds_version']})"
+        )
     print(
-        f"exported ZeRO-{result['zero_stage']} checkpoint {result['checkpoint']} (world size {result['world_size']}, "
-        f"DeepSpeed {result['ds_version']}): {result['tensors']} tensors, {result['total_bytes'] / 1e6:.1f} MB "
+        f"exported {written_by}: {result['tensors']} tensors, {result['total_bytes'] / 1e6:.1f} MB "
         f"{result['dtype']} in {result['shards']} shard(s) -> {result['out_dir']} ({kind})"
     )
     if args.verify:
         check = verify_export(args.checkpoint, args.out_dir, progress=not args.quiet)
         line = (
-            f"verify against DeepSpeed's zero_to_fp32: {check['tensors_checked']} tensors, "
+            f"verify against {check['reference']}: {check['tensors_checked']} tensors, "
             f"max abs difference {check['max_abs_param_diff']:.3g}"
         )
         if "max_abs_logit_diff" in check:
             logits = check["max_abs_logit_diff"]
-            line += f"; logits of from_pretrained vs DeepSpeed's tensors: max abs difference {logits:.3g}"
+            owner = "torch's reader" if result["fsdp2"] else "DeepSpeed"
+            line += f"; logits of from_pretrained vs {owner}'s tensors: max abs difference {logits:.3g}"
         print(line)
         if failures := verify_failures(check):
             raise ConfigError(f"--verify failed for {args.out_dir}: {'; '.join(failures)}")

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from common.checkpoint import check_retention
 from common.errors import ConfigError, nearest
-from common.presets import check_preset_name, is_fsdp2_name, refuse_zero_only_features
+from common.presets import FSDP2_PRESETS, check_preset_name, is_fsdp2_name, refuse_zero_only_features
 from common.strategy import PRECISIONS
 from nlp.data import STDLIB
 from nlp.family import MODEL_SIZES, SHAPE_KEYS, ModelFamily, model_family, shape_overrides
-from nlp.model import ATTENTION_CHOICES
+from nlp.model import ATTENTION_CHOICES, LLAMA_SIZES
 from nlp.moe import MOE_SIZES
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_cpu.yaml"
@@ -122,6 +122,7 @@ class NLPConfig:
         check_preset_name(self.preset)  # a ZeRO or an FSDP2 preset; the nearest named
         if is_fsdp2_name(self.preset):  # what only DeepSpeed runs: refused before any work, naming its ZeRO preset
             refuse_zero_only_features(self.preset, vars(self))
+            self.refuse_deepspeed_layers()
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
@@ -153,6 +154,21 @@ class NLPConfig:
             )
         if self.pipeline_micro_batches:  # the pipeline's name for gradient accumulation: one value from here on
             self.grad_accum = self.pipeline_micro_batches
+
+    def refuse_deepspeed_layers(self) -> None:
+        """Under an FSDP2 preset, the model options built from DeepSpeed's own layers: its MoE layer (whose groups
+        ``deepspeed.initialize`` creates) and its activation-checkpoint offload."""
+        if self.model in MOE_SIZES:
+            raise ConfigError(
+                f"model={self.model} is built with DeepSpeed's MoE layer, which runs only on DeepSpeed, not under "
+                f"preset={self.preset}: use preset=deepspeed_stage_2, or a dense size ({', '.join(LLAMA_SIZES)})"
+            )
+        if self.offload_checkpoints:
+            raise ConfigError(
+                f"offload_checkpoints=true (DeepSpeed's activation-checkpoint offload) runs only on DeepSpeed, not "
+                f"under preset={self.preset}: use preset={FSDP2_PRESETS[self.preset]['counterpart']}, or "
+                "activation_checkpointing=full without the offload"
+            )
 
     def check_shape(self) -> None:
         """Width and depth keys apply to a named size (a folder has its own config.json), and the hidden size must

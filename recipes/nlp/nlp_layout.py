@@ -209,7 +209,9 @@ def memory_plan(model: torch.nn.Module, ds_config: dict[str, Any], layout: Paral
     the planner's per-rank arithmetic, on facts counted from the built model."""
     facts = built_model_facts(model, layout)
     stage, precision = zero_stage(ds_config), precision_of(ds_config)
-    threshold = int(ds_config["zero_optimization"].get("stage3_param_persistence_threshold", 0)) if stage == 3 else 0
+    # FSDP2 (no zero_optimization section) keeps no parameter whole: every one is sharded, as with threshold 0.
+    zero = ds_config.get("zero_optimization", {})
+    threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if stage == 3 else 0
     parts = {}
     for grads_alive in (False, True):
         terms, whole = parallel_model_state_parts(facts, stage, layout, precision, threshold, grads_alive)

@@ -39,7 +39,6 @@ from common.parallel import (
     ParallelLayout,
     gather_tensor_parallel_state_dict,
 )
-from common.presets import refuse_fsdp2_where_not_wired
 from common.rundir import env_info, read_metrics, wait_for_rank0_file, write_json_atomic, write_text_atomic
 from common.sequence_parallel import SequenceParallel
 from common.strategy import RunFacts, cosine_with_warmup, precision_of, resolve_deepspeed_config, zero_stage
@@ -170,8 +169,8 @@ def deepspeed_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[
 
 
 def resolve_ds_config(cfg: NLPConfig, world_size: int, hidden_size: int) -> dict[str, Any]:
-    """The run's DeepSpeed dict, checked for known pitfalls (lint rules) before any work (errors refuse the run)."""
-    refuse_fsdp2_where_not_wired(cfg.preset, "nlp")
+    """The run's DeepSpeed dict (an FSDP2 preset's run config), checked for known pitfalls (lint rules) before any
+    work (errors refuse the run)."""
     ds_config = deepspeed_config(cfg, world_size, hidden_size)
     lint_at_start(ds_config, config_to_dict(cfg), hidden_size=hidden_size, world_size=world_size)
     return ds_config
@@ -509,7 +508,9 @@ def summarize(
         wall_time_s=round(clock.wall(), 1),
         preset=cfg.preset,
         zero_stage=zero_stage(ds_config),
-        stage3_param_persistence_threshold=ds_config["zero_optimization"].get("stage3_param_persistence_threshold"),
+        stage3_param_persistence_threshold=ds_config.get("zero_optimization", {}).get(  # FSDP2: no such section
+            "stage3_param_persistence_threshold"
+        ),
         world_size=run.layout.world_size,
         attention=run.attention,
         precision=precision_of(ds_config),

@@ -74,7 +74,14 @@ from common.rundir import (
     write_json_atomic,
 )
 from common.sequence_parallel import SequenceParallel
-from common.strategy import lightning_trainer_kwargs, make_optimizer, torch_dtype, zero_stage
+from common.strategy import (
+    gradient_norm,
+    lightning_trainer_kwargs,
+    make_optimizer,
+    shard_model,
+    torch_dtype,
+    zero_stage,
+)
 from nlp.data import DataError, LMData
 from nlp.model import ModelError, resolve_attention
 
@@ -96,6 +103,7 @@ class CausalLM(L.LightningModule):
         self.model = None  # built in configure_model, inside ZeRO-3's partitioned construction
         mark_universal(self)  # DeepSpeed wraps this module: its checkpoints can then resume on another world size
         self.losses: list[torch.Tensor] = []
+        self.step_norm: torch.Tensor | None = None  # FSDP2: the last step's gradient norm before clipping
         self.aux_losses: list[torch.Tensor] = []  # a MoE model's load-balancing loss, logged apart
         self.log_file = MetricsLog(run.cfg.out_dir, enabled=is_launcher_rank_zero())
         self.summary: NLPSummary | None = None
@@ -105,12 +113,15 @@ class CausalLM(L.LightningModule):
     def configure_model(self) -> None:
         # Lightning runs this inside deepspeed.zero.Init under stage 3, and the strategy keeps an HfDeepSpeedConfig
         # alive (common/lightning_cpu.py): from_config / from_pretrained initialise each weight already sharded, no
-        # rank ever holds the whole model, and RoPE's frequencies stay fp32.
+        # rank ever holds the whole model, and RoPE's frequencies stay fp32. Under an FSDP2 preset the model is built
+        # whole, then each decoder layer and the root are sharded over the data-parallel ranks (shard_model).
         if self.model is not None:
             return
         run, layout = self.run, self.run.layout
         self.model = build_model(self.cfg, run.model_config, run.attention, layout.expert_rank(self.global_rank))
         run.held_at_construction = held_param_elements(self.model)
+        mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None
+        shard_model(self.model, run.ds_config, mesh)  # FSDP2 presets only (ZeRO: DeepSpeed's, above)
         if layout.sequence > 1:  # Ulysses: attention rerouted, and the groups for deepspeed.initialize
             self.trainer.strategy.mpu = sequence_parallel.register(
                 self.model, layout.sequence, self.cfg.micro_batch_size, run.attention
@@ -144,6 +155,11 @@ class CausalLM(L.LightningModule):
             self.aux_losses.append(aux.detach())
         return total
 
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """FSDP2 presets: the gradient norm before the clipping Lightning does next (and whose norm it discards), for
+        the log. ZeRO presets: nothing (DeepSpeed clips in its step and keeps the norm)."""
+        self.step_norm = gradient_norm(self, self.run.ds_config)
+
     def on_after_backward(self) -> None:
         if self.offload is not None:
             self.offload.__exit__(None, None, None)
@@ -151,7 +167,7 @@ class CausalLM(L.LightningModule):
     def on_train_start(self) -> None:
         cfg, strategy, layout = self.cfg, self.trainer.strategy, self.run.layout
         self.checkpointer = make_checkpointer(cfg, self.global_rank, self.trainer.world_size, strategy.barrier)
-        self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
+        self.checkpointer.install(strategy.model)  # async_save: the backend's checkpoint files go through it
         check_mesh(layout, self.global_rank)  # DeepSpeed's groups are those the layout's rank map assumed
         self.sp = sequence_parallel.this_rank(layout.sequence, zero_stage(self.run.ds_config))
         if layout.tensor > 1:  # its check cannot read Lightning's batch dict: check_replica_batch instead
@@ -172,7 +188,7 @@ class CausalLM(L.LightningModule):
         self.losses.clear()
         self.aux_losses.clear()
         if step == self.start_step + 1:
-            self.run.model_states = model_state_bytes(self.trainer.strategy.model)
+            self.run.model_states = model_state_bytes(self.trainer.strategy.model, self.trainer.optimizers[0])
             self.print(measured_text(self.run.model_states))
             if self.offload is not None:
                 self.print(offload_text(self.offload.stats))
@@ -186,7 +202,7 @@ class CausalLM(L.LightningModule):
                 step,
                 train_loss=loss,
                 **moe,
-                grad_norm=grad_norm(self.trainer.strategy.deepspeed_engine),
+                grad_norm=grad_norm(self.trainer.strategy.model, self.step_norm),
                 lr=cfg.lr * lr_lambda(cfg)(step - 1),
                 tokens_per_s_per_device=tokens_per_s,
                 elapsed_s=clock.wall(),

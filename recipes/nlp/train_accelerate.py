@@ -56,7 +56,7 @@ from common.activation import checkpoint_offload, offload_text
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
-from common.metrics import Clock, all_reduce, grad_norm
+from common.metrics import Clock, all_reduce, barrier, grad_norm, main_process_first
 from common.parallel import check_mesh
 from common.process_setup import setup_process
 from common.resume import (
@@ -66,7 +66,15 @@ from common.resume import (
     with_universal_load,
 )
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
-from common.strategy import accelerator_kwargs, make_optimizer, torch_dtype, zero_stage
+from common.strategy import (
+    AccelerateCheckpointIO,
+    accelerator_kwargs,
+    gradient_norm,
+    make_optimizer,
+    shard_model,
+    torch_dtype,
+    zero_stage,
+)
 from nlp.data import DataError
 from nlp.model import ModelError, resolve_attention
 
@@ -105,7 +113,8 @@ def main() -> None:
 
     # --- data: rank 0 trains the tokenizer and writes the run files, the other ranks then load them ---
     trained_tokenizer = tokenizer_source(cfg, trained_here=False) is None
-    with accelerator.main_process_first():
+    # Over the process group: accelerator.main_process_first lets every rank in at once under FSDP2 on a CPU.
+    with main_process_first(main_process):
         data = load_data(cfg, tokenizer_source(cfg, trained_here=cfg.resume or not main_process), world_size)
         if main_process:
             prepare_run_dir(out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
@@ -115,7 +124,8 @@ def main() -> None:
             if resume:  # a universal conversion counts against collective_timeout_s for the waiting ranks
                 prepare_resume(resume, config_to_dict(cfg))
 
-    # --- model: built inside zero.Init (the plugin's zero3_init_flag), so no rank holds it whole ---
+    # --- model: built inside zero.Init (the plugin's zero3_init_flag), so no rank holds it whole; under an FSDP2
+    # preset built whole, then each decoder layer and the root sharded (shard_model) before the optimizer sees it ---
     config = model_config(cfg, data.tokenizer)
     attention = resolve_attention(cfg.attention, device.type, torch_dtype(cfg.precision))
     model = build_model(cfg, config, attention, layout.expert_rank(rank))  # MoE: this rank's experts
@@ -126,6 +136,7 @@ def main() -> None:
     if main_process:
         print(run.plan.text())
         print(f"after construction rank 0 holds {held:,} of {run.plan.num_params:,} parameter elements", flush=True)
+    shard_model(model, ds_config)  # FSDP2 presets only (ZeRO: DeepSpeed's, in prepare)
     optimizer = make_optimizer(param_groups(model, cfg), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay)
     # A plain LambdaLR stepped once per optimizer step (a prepared scheduler would step once per process).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -133,12 +144,14 @@ def main() -> None:
     check_mesh(layout, rank)  # tensor/expert parallel: DeepSpeed's groups are those the layout's rank map assumed
     sp = sequence_parallel.this_rank(cfg.sequence_parallel, zero_stage(ds_config))  # None unless sequence parallel
     accelerator.register_for_checkpointing(scheduler)
-    checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
-    checkpointer.install(engine)  # async_save: DeepSpeed's files go through it
+    net = accelerator.unwrap_model(engine)  # the transformers model (DeepSpeed's engine.module; FSDP2: the model)
+    state = AccelerateCheckpointIO(accelerator, ds_config, engine, optimizer, scheduler)  # save_state, or DCP
+    checkpointer = make_checkpointer(cfg, rank, world_size, state.barrier)
+    checkpointer.install(engine)  # async_save: the backend's checkpoint files go through it
 
     if resume:
         with param_groups_kept(optimizer):  # DeepSpeed's ZeRO-3 universal load flattens the groups' settings
-            accelerator.load_state(str(resume.load_path))
+            state.load(resume.load_path)  # the model's and optimizer's shards, the scheduler
     # Not prepared: StepSampler already gives each replica its slice, in an order fixed by (seed, step). Without
     # tensor or sequence parallelism a replica is a rank; with them every rank of a replica reads its batches.
     replica, replicas = layout.data_parallel_rank(rank), layout.data_parallel
@@ -162,16 +175,18 @@ def main() -> None:
     if start_step == 0:
         run.val_loss = run_eval(0)
     engine.train()
-    step, losses, aux_losses = start_step, [], []
+    step, losses, aux_losses, step_norm = start_step, [], [], None
     clock.skip()
     offload = checkpoint_offload() if cfg.offload_checkpoints else contextlib.nullcontext()
     for batch in loader:
         with accelerator.accumulate(engine), offload:  # offload: around the forward and the backward pass
             # A MoE model adds its routers' load-balancing loss to the LM loss (logged apart); a dense one nothing.
             total, loss, aux = train_loss(
-                cfg, engine, engine.module, batch["input_ids"].to(device), batch["labels"].to(device), sp
+                cfg, engine, net, batch["input_ids"].to(device), batch["labels"].to(device), sp
             )
             accelerator.backward(total)  # DeepSpeed's backward, and its optimizer step at the accumulation boundary
+            if accelerator.sync_gradients:  # FSDP2 clips here and returns the norm; DeepSpeed, in its step (None)
+                step_norm = gradient_norm(engine, ds_config, clip=True)
             optimizer.step()
             optimizer.zero_grad()
         losses.append(loss.detach())
@@ -188,7 +203,7 @@ def main() -> None:
         aux_losses.clear()
         bar.update(1)
         if step == start_step + 1:
-            run.model_states = model_state_bytes(engine)
+            run.model_states = model_state_bytes(engine, optimizer)
             say(measured_text(run.model_states))
             if cfg.offload_checkpoints:
                 say(offload_text(offload.stats))
@@ -202,7 +217,7 @@ def main() -> None:
                 step,
                 train_loss=mean_loss,
                 **moe,
-                grad_norm=grad_norm(engine),
+                grad_norm=grad_norm(engine, step_norm),
                 lr=cfg.lr * lr_lambda(cfg)(step - 1),
                 tokens_per_s_per_device=tokens_per_step / clock.median_step(),
                 elapsed_s=clock.wall(),
@@ -212,7 +227,7 @@ def main() -> None:
             engine.train()
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
             # Every rank writes its shards (and the scheduler, RNG) into a temporary folder; rank 0 publishes it.
-            checkpointer.save(step, lambda folder: accelerator.save_state(str(folder)))
+            checkpointer.save(step, state.save)
             log.log(step, checkpoint_blocked_s=checkpointer.blocked_s[-1])
         clock.skip()
     bar.close()
@@ -220,12 +235,12 @@ def main() -> None:
 
     # --- export: logits on a fixed batch and whole weights (collective), then final/ and its check on rank 0 ---
     run.steps = step
-    summary = finish(run, engine.module, data, device, rank)
+    summary = finish(run, net, data, device, rank)
     log.close()
     if summary is not None:
         write_json_atomic(out_dir / "summary.json", summary.to_json())
         print(summary.headline(out_dir), flush=True)
-    accelerator.wait_for_everyone()
+    barrier()  # the process group's: accelerator.wait_for_everyone returns at once under FSDP2 on a CPU
     accelerator.end_training()
 
 

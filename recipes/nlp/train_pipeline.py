@@ -77,9 +77,10 @@ from tqdm.auto import tqdm
 from common.accounting import model_state_bytes
 from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
-from common.errors import exit_on_user_error
+from common.errors import ConfigError, exit_on_user_error
 from common.metrics import Clock, all_reduce, peak_memory_bytes
 from common.parallel import check_mesh
+from common.presets import is_fsdp2_name
 from common.process_setup import setup_process
 from common.resume import prepare_resume
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
@@ -173,6 +174,11 @@ def main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     refuse_existing_out_dir(out_dir, cfg.resume, cfg.overwrite)
+    if is_fsdp2_name(cfg.preset):  # train.py and train_accelerate.py run it; this script is DeepSpeed's engine
+        raise ConfigError(
+            f"train_pipeline.py runs DeepSpeed's pipeline engine, not preset={cfg.preset} (FSDP2): use "
+            "preset=deepspeed_stage_1, or recipes/nlp/train.py for FSDP2"
+        )
     ds_config = resolve_ds_config(cfg, world_size, hidden_size(cfg))
     # Stages x data-parallel replicas, refused here if bad (ZeRO 2-3, more stages than layers, ...).
     layout = run_layout(cfg, world_size, model_config(cfg, tokenizer=None), ds_config, pipeline_engine=True)

@@ -25,7 +25,12 @@ from pathlib import Path
 
 import pytest
 from _util import PYTHON, REPO, accelerate_launch, describe, one_error, run
+from test_resume import alive, args, kill_rank_one_at, losses, losses_logged_since, metrics_lines
+from test_resume import launch as launch_cv  # the CV recipe, as the ZeRO kill test launches it
 
+from common.async_checkpoint import WRITE_DELAY_ENV
+from common.checkpoint import latest_checkpoint
+from common.fsdp2 import consolidate_checkpoint
 from common.rundir import read_metrics
 
 STEPS = 6
@@ -184,10 +189,71 @@ def test_describe_reports_an_fsdp2_run_with_its_run_config(recipe):
     assert "zero_optimization" not in printed["ds_config"]
 
 
-def test_the_nlp_recipe_refuses_fsdp2_in_one_line_before_any_work(tmp_path):
+# (script, setting, the end of its one-line refusal) of what the NLP recipe runs only on DeepSpeed
+NLP_DEEPSPEED_ONLY = [
+    ("train.py", "model=moe_tiny", "use preset=deepspeed_stage_2, or a dense size (tiny, 125m, 1b, 7b, 8b)"),
+    ("train_pipeline.py", "max_steps=1", "use preset=deepspeed_stage_1, or recipes/nlp/train.py for FSDP2"),
+]
+
+
+@pytest.mark.parametrize(("script", "setting", "remedy"), NLP_DEEPSPEED_ONLY)
+def test_the_nlp_recipe_refuses_deepspeed_only_parts_under_fsdp2_in_one_line_before_any_work(
+    tmp_path, script, setting, remedy
+):
+    """The MoE sizes (the config's refusal, tests/unit/test_fsdp2_presets.py) and the pipeline engine's script."""
     out_dir = tmp_path / "run"
-    proc = run([PYTHON, REPO / "recipes" / "nlp" / "train.py", "preset=fsdp2", f"out_dir={out_dir}"], check=False)
-    assert "does not run yet" in one_error(proc) and one_error(proc).endswith(
-        "use preset=deepspeed_stage_3, its ZeRO counterpart"
-    )
+    argv = [PYTHON, REPO / "recipes" / "nlp" / script, "preset=fsdp2", setting, f"out_dir={out_dir}"]
+    assert one_error(run(argv, check=False)).endswith(remedy)
     assert not out_dir.exists()
+
+
+# --- a kill during an asynchronous DCP write ----------------------------------------------------------------------
+
+KILL_LAST = 8  # the resumed run's last step
+
+
+def step_8_dcp_write_in_flight(out_dir: Path) -> bool:
+    """Step 8's background write has begun and is not published (rank 0 renames the folder once all have written)."""
+    return (out_dir / "checkpoints" / ".tmp-step_000008").is_dir()
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_asynchronous_fsdp2_write_keeps_the_last_checkpoint_and_resume_reproduces_the_losses(
+    tmp_path,
+):
+    """CV under ``fsdp2`` on Accelerate, ``async_save=true``, each rank's file write slowed to 3 s (the delay reaches
+    DCP writes made through common.fsdp2's writer, the Accelerate loop's; Lightning's strategy uses its own): rank 1
+    is killed while step 8's write is in flight and the loop has gone past it. ``latest`` must still name step 4, a
+    complete DCP checkpoint, and the run resumed from it must log the killed run's own losses for steps 5-8 (the
+    killed run trained through step 9 uninterrupted: its losses are the reference)."""
+    out_dir = tmp_path / "killed"
+    code, processes = kill_rank_one_at(
+        "accelerate",
+        out_dir,
+        step=9,
+        timeout_s=60,
+        ready=step_8_dcp_write_in_flight,
+        env={WRITE_DELAY_ENV: "3"},
+        preset="fsdp2",
+        async_save="true",
+    )
+    assert code != 0
+    assert not [p.pid for p in processes if alive(p)]
+    latest = latest_checkpoint(out_dir)
+    assert latest is not None and latest.name == "step_000004", latest
+    assert consolidate_checkpoint(latest, "model")  # every rank's shards and DCP's metadata are there
+    partial = out_dir / "checkpoints" / ".tmp-step_000008"  # rank 0 writes DCP's metadata only once all have written
+    assert partial.is_dir() and not (partial / ".metadata").exists()
+    expected = losses(out_dir)
+    assert max(expected) >= 9, sorted(expected)
+
+    logged_before = metrics_lines(out_dir)
+    resume = args(out_dir, max_steps=KILL_LAST, checkpoint_interval=4, resume="true", preset="fsdp2", async_save="true")
+    proc = launch_cv("accelerate", resume)
+    assert f"resuming from {latest} (step 4)" in proc.stdout + proc.stderr
+    assert not partial.exists()
+    assert latest_checkpoint(out_dir).name == f"step_{KILL_LAST:06d}"
+    resumed = losses_logged_since(out_dir, logged_before)  # only what the resumed process logged
+    assert sorted(resumed) == list(range(5, KILL_LAST + 1)), sorted(resumed)
+    for step in resumed:
+        assert resumed[step] == pytest.approx(expected[step], rel=RESUME_RTOL), step

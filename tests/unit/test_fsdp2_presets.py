@@ -160,3 +160,18 @@ def test_lint_and_the_accelerate_files_know_an_fsdp2_run(tmp_path):
     yaml_path = write_accelerate_files(config, tmp_path, num_processes=2)
     text = yaml_path.read_text()
     assert "distributed_type: FSDP\n" in text and "fsdp_version: 2" in text and "DEEPSPEED" not in text
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"model": "moe_tiny"}, r"model=moe_tiny is built with DeepSpeed's MoE layer.* use preset=deepspeed_stage_2"),
+        ({"offload_checkpoints": True}, r"offload_checkpoints=true .* use preset=deepspeed_stage_3"),
+    ],
+)
+def test_the_nlp_recipe_refuses_its_deepspeed_layers_under_fsdp2_in_one_line(setting, message):
+    nlp_config = config_class("nlp")
+    with pytest.raises(ConfigError, match=message) as error:
+        nlp_config(preset="fsdp2", **setting)
+    assert "\n" not in str(error.value)
+    nlp_config(preset="deepspeed_stage_2", **setting)  # the ZeRO preset named takes it
