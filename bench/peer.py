@@ -349,6 +349,31 @@ def sharding_cost_text(rows: list[dict]) -> str:
     )
 
 
+NLP_GOAL = {"cpu_s_per_step": 1.00, "model_state_bytes": 1.10}  # ZeRO / FSDP2 at most, on the NLP recipe
+
+
+def nlp_goal_text(rows: list[dict]) -> str:
+    """The goal on the NLP recipe, judged on each pair's medians: ZeRO at most 1.00x FSDP2's CPU time per step and
+    1.10x its model-state bytes per rank."""
+    verdicts = []
+    for row in rows:
+        if row["recipe"] != "nlp" or not (row["runs"][row["zero"]] and row["runs"][row["fsdp2"]]):
+            continue
+        cpu, states = (median(ratios(row, field)) for field in NLP_GOAL)
+        met = cpu <= NLP_GOAL["cpu_s_per_step"] and states <= NLP_GOAL["model_state_bytes"]
+        verdicts.append(
+            f"- {row['front_end']}, {row['zero']} / {row['fsdp2']}: CPU time {cpu:.2f}x, model states "
+            f"{states:.2f}x: {'met' if met else 'not met'}."
+        )
+    if not verdicts:
+        return ""
+    return (
+        f"The goal on the NLP recipe (ZeRO at most {NLP_GOAL['cpu_s_per_step']:.2f}x FSDP2's CPU time per step and "
+        f"{NLP_GOAL['model_state_bytes']:.2f}x its model-state bytes per rank; medians of the table above):\n\n"
+        + "\n".join(verdicts)
+    )
+
+
 def render_sections(document: dict) -> dict[str, str]:
     """The "peer" section of docs/benchmarks.md, from a peer.json document alone."""
     results = document["results"]
@@ -374,7 +399,9 @@ def render_sections(document: dict) -> dict[str, str]:
         "save blocked training. Figures are medians over repetitions; ratios are ZeRO / FSDP2 per repetition, "
         "median (min-max): below 1.00 ZeRO is cheaper."
     )
-    body = [head, "", ratios_table(rows), "", figures_table(rows), "", "Where ZeRO costs more (measured):", ""]
+    goal = nlp_goal_text(rows)
+    body = [head, "", ratios_table(rows), "", figures_table(rows), *(["", goal] if goal else [])]
+    body += ["", "Where ZeRO costs more (measured):", ""]
     body += [where_zero_loses(rows)]
     why = sharding_cost_text(rows)
     body += [*(["", why] if why else []), *([""] + failed if failed else []), *([""] + skipped if skipped else [])]

@@ -157,3 +157,26 @@ def test_peer_bench_quick_mode_measures_zero3_and_fsdp2_side_by_side(tmp_path):
     states = zero["model_state_bytes"] / fsdp2["model_state_bytes"]
     assert f"| science | lightning | deepspeed_stage_3 / fsdp2 | {cpu:.2f} | " in body, body
     assert f" | {states:.2f} | " in body.split("\n\n")[1], body
+
+
+def test_peer_render_judges_the_nlp_goal_on_each_pairs_medians():
+    """The NLP goal (ZeRO at most 1.00x FSDP2's CPU time and 1.10x its model states) is judged per pair on the
+    median of the repetitions' ratios; rows of other recipes are not judged."""
+    sys.path.insert(0, str(REPO))
+    from bench.peer import nlp_goal_text
+
+    def row(recipe, front_end, zero_cpu, zero_states):  # FSDP2's side: 1.0 s and 100 bytes in every repetition
+        zero = [{"cpu_s_per_step": c, "model_state_bytes": s} for c, s in zip(zero_cpu, zero_states)]
+        fsdp2 = [{"cpu_s_per_step": 1.0, "model_state_bytes": 100}] * len(zero)
+        return {"recipe": recipe, "front_end": front_end, "zero": "z", "fsdp2": "f", "runs": {"z": zero, "f": fsdp2}}
+
+    text = nlp_goal_text(
+        [
+            row("nlp", "lightning", [0.9, 1.0, 1.3], [110, 110, 110]),  # medians 1.00 and 1.10: on the bar
+            row("nlp", "accelerate", [0.9, 1.02, 1.02], [100, 100, 100]),  # CPU median 1.02
+            row("cv", "lightning", [2.0, 2.0, 2.0], [300, 300, 300]),
+        ]
+    )
+    assert "- lightning, z / f: CPU time 1.00x, model states 1.10x: met." in text, text
+    assert "- accelerate, z / f: CPU time 1.02x, model states 1.00x: not met." in text, text
+    assert "2.00x" not in text and nlp_goal_text([row("cv", "lightning", [2.0], [300])]) == ""
