@@ -240,6 +240,26 @@ def save_tiny_llama(folder: Path, source_files: int = 4) -> Path:
     return folder
 
 
+def tied_llama(hidden_size: int, vocab_size: int, max_positions: int):
+    """A 2-layer Llama (2 heads, MLP twice as wide) whose output matrix is its input embedding
+    (``tie_word_embeddings=True``), with random weights drawn from seed 0."""
+    import torch  # imported here, as in save_tiny_llama
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
 def assert_same_metric(out_dir: Path, reference: Path, key: str, steps: int) -> None:
     """Training metric ``key`` (``train_loss``, ``grad_norm``) of the runs in ``out_dir`` and ``reference`` is logged
     at steps 1 to ``steps`` in both, and each step's value in ``out_dir`` is within 1e-5 relative of the reference's."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _util import PYTHON, REPO, accelerate_launch, run
+from _util import PYTHON, REPO, accelerate_launch, run, tied_llama
 
 from common.rundir import read_metrics
 from common.tools.cli import main as cli_main
@@ -79,21 +79,8 @@ def logged(out_dir: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def tied_model(tmp_path_factory) -> Path:
     """A tiny Llama whose output matrix is its input embedding, as a model folder (vocabulary of the trained BPE)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=4096,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
     folder = tmp_path_factory.mktemp("tied") / "model"
-    LlamaForCausalLM(config).save_pretrained(folder)
+    tied_llama(hidden_size=64, vocab_size=4096, max_positions=256).save_pretrained(folder)
     return folder
 
 

@@ -11,8 +11,9 @@ import json
 
 import pytest
 import torch
+from _util import tied_llama
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from common.fsdp2 import dcp_write
 from common.tools.export import export_checkpoint, verify_export, verify_failures
@@ -21,18 +22,7 @@ from common.tools.export import export_checkpoint, verify_export, verify_failure
 @pytest.fixture
 def fsdp2_run(tmp_path):
     """(run directory, the model saved in its step-1 checkpoint)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(config)
+    model = tied_llama(hidden_size=32, vocab_size=128, max_positions=64)
     optimizer = torch.optim.AdamW(model.parameters())
     model(input_ids=torch.arange(16)[None], labels=torch.arange(16)[None]).loss.backward()
     optimizer.step()  # moments in the optimizer state: the export must leave them out

@@ -12,7 +12,8 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
+from _util import tied_llama as shared_tied_llama
+from transformers import LlamaForCausalLM
 
 from common.fsdp2 import apply_fully_shard
 
@@ -27,18 +28,7 @@ def one_rank_group():
 
 
 def tied_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
+    return shared_tied_llama(hidden_size=32, vocab_size=128, max_positions=64)
 
 
 def train(model: torch.nn.Module, batch: torch.Tensor) -> list[float]:
