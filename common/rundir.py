@@ -11,6 +11,7 @@ processes Lightning spawns itself, ``NODE_RANK`` and ``LOCAL_RANK``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -266,3 +267,12 @@ def refuse_existing_out_dir(
     refuse_file_as_out_dir(path, name)
     if not resume and not overwrite and path.exists() and any(path.iterdir()):
         raise ConfigError(f"{name} {path} already exists and is not empty; {remedy}")
+
+
+def summary_fields(summary: Any) -> dict[str, Any]:
+    """A recipe's summary dataclass as its ``summary.json`` fields, ``communication`` left out when the run did not
+    log it (DeepSpeed's comms log off): a run without the log writes the keys it always wrote."""
+    fields = dataclasses.asdict(summary)
+    if fields.get("communication", {}) is None:
+        del fields["communication"]
+    return fields

@@ -7,7 +7,6 @@ config is in ``cv_config.py``; ``describe(cfg)`` is what ``--describe`` prints f
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from common.lint import lint_at_start
 from common.memory_formulas import facts_from_module
 from common.metrics import Clock, all_reduce, memory_kind, peak_memory_bytes, throughput
 from common.model_folder import check_weight_files
-from common.rundir import MetricsLog, env_info, write_json_atomic, write_text_atomic
+from common.rundir import MetricsLog, env_info, summary_fields, write_json_atomic, write_text_atomic
 from common.strategy import RunFacts, cosine_with_warmup, precision_of, resolve_deepspeed_config, zero_stage
 from cv.data import DataError, ImageData, load_image_data
 from cv.data import describe as describe_data
@@ -315,10 +314,7 @@ class CVSummary:
     communication: dict[str, Any] | None = None  # with comms_logger.enabled: logged bytes per step beside the plan
 
     def to_json(self) -> dict[str, Any]:
-        summary = dataclasses.asdict(self)
-        if self.communication is None:
-            del summary["communication"]
-        return summary
+        return summary_fields(self)
 
     def headline(self, out_dir: Path) -> str:
         """The line printed when the run ends."""

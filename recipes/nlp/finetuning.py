@@ -10,7 +10,6 @@ batch's response-token mean, is in ``finetune_loss.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from common.describe import RecipeDescription, local_world
 from common.errors import ConfigError, InputMissing
 from common.memory_formulas import facts_from_model_config
 from common.metrics import all_reduce, memory_kind, peak_memory_bytes, throughput
-from common.rundir import env_info, read_metrics, write_json_atomic, write_text_atomic
+from common.rundir import env_info, read_metrics, summary_fields, write_json_atomic, write_text_atomic
 from common.strategy import (
     RunFacts,
     cosine_with_warmup,
@@ -474,10 +473,7 @@ class FinetuneSummary:
     communication: dict[str, Any] | None = None  # with comms_logger.enabled: logged bytes per step beside the plan
 
     def to_json(self) -> dict[str, Any]:
-        summary = dataclasses.asdict(self)
-        if self.communication is None:
-            del summary["communication"]
-        return summary
+        return summary_fields(self)
 
 
 def initial_val_loss(out_dir: Path) -> float | None:

@@ -11,7 +11,6 @@ what ``--describe`` prints for the planning tools.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,14 @@ from common.parallel import (
     ParallelLayout,
     gather_tensor_parallel_state_dict,
 )
-from common.rundir import env_info, read_metrics, wait_for_rank0_file, write_json_atomic, write_text_atomic
+from common.rundir import (
+    env_info,
+    read_metrics,
+    summary_fields,
+    wait_for_rank0_file,
+    write_json_atomic,
+    write_text_atomic,
+)
 from common.sequence_parallel import SequenceParallel
 from common.strategy import RunFacts, cosine_with_warmup, precision_of, resolve_deepspeed_config, zero_stage
 from nlp.data import DataError, LMData, build_lm_datasets, load_tokenizer
@@ -442,10 +448,7 @@ class NLPSummary:
     communication: dict[str, Any] | None = None  # with comms_logger.enabled: logged bytes per step beside the plan
 
     def to_json(self) -> dict[str, Any]:
-        summary = dataclasses.asdict(self)
-        if self.communication is None:
-            del summary["communication"]
-        return summary
+        return summary_fields(self)
 
     def headline(self, out_dir: Path) -> str:
         """The lines printed when the run ends."""

@@ -7,7 +7,6 @@ model on the same data with the same DeepSpeed config, and write the same run fi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ from common.errors import ConfigError, nearest
 from common.lint import lint_at_start
 from common.memory_formulas import facts_from_module
 from common.metrics import Clock, all_reduce, memory_kind, peak_memory_bytes, throughput
-from common.rundir import MetricsLog, env_info, write_json_atomic, write_text_atomic
+from common.rundir import MetricsLog, env_info, summary_fields, write_json_atomic, write_text_atomic
 from common.strategy import (
     RunFacts,
     cosine_with_warmup,
@@ -338,11 +337,9 @@ class ScienceSummary:
     communication: dict[str, Any] | None = None  # with comms_logger.enabled: logged bytes per step beside the plan
 
     def to_json(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = summary_fields(self)
         if self.val_rel_l2_superres is None:
             del data["val_rel_l2_superres"], data["superres_grid_size"]
-        if self.communication is None:
-            del data["communication"]
         return data
 
     def headline(self, out_dir: Path) -> str:
