@@ -250,7 +250,8 @@ def row_network(
                 }
             )
     slowest = net.inter if net.inter is not None else net.intra
-    slowest_link = slowest if isinstance(slowest, Link) else slowest.links.get("all_reduce")
+    # Buckets hold gradients in the run's precision: size them at that dtype's measured all-reduce fit.
+    slowest_link = slowest if isinstance(slowest, Link) else slowest.for_dtype(inputs.precision).get("all_reduce")
     return {
         "comm_seconds": share.comm_s,
         "compute_seconds": compute,

@@ -130,9 +130,12 @@ def test_buckets_follow_the_link():
     assert slow < fast
 
 
-def doctor_file(tmp_path, world: int) -> str:
+def doctor_file(tmp_path, world: int, bf16_bytes_per_s: float | None = None, fp32_bytes_per_s: float = 2e9) -> str:
+    """A ``doctor.json`` of fp32 rows, plus bf16 rows at ``bf16_bytes_per_s`` when given."""
+    rates = {"fp32": fp32_bytes_per_s, **({"bf16": bf16_bytes_per_s} if bf16_bytes_per_s else {})}
     rows = [
-        {"op": op, "bytes": size, "seconds": 1e-4 + size / 2e9}
+        {"op": op, "dtype": dtype, "bytes": size, "seconds": 1e-4 + size / rate}
+        for dtype, rate in rates.items()
         for op in ("all_reduce", "all_gather")
         for size in (1 << 16, 1 << 20, 1 << 24)
     ]
@@ -166,6 +169,19 @@ def test_measured_links_from_doctor(tmp_path):
     stage3 = next(r for r in json.loads(out)["rows"] if r["stage"] == 3)
     assert {t["link"] for t in stage3["network"]["terms"]} <= {"all_reduce", "all_gather", "reduce_scatter"}
     assert parse_link("pcie3").bus_bytes_per_s == 16e9
+
+
+def test_buckets_follow_the_links_fit_in_the_runs_precision(tmp_path):
+    def bucket(precision: str, bf16_rate: float | None) -> int:
+        code, out, _ = run_cli("--params", "7e9", "--gpus", "2", "--gpu-memory", "80GB", "--offload", "none",
+                               "--precision", precision, "--json",
+                               "--bandwidth-from", doctor_file(tmp_path, 2, bf16_rate, 1e11))  # fmt: skip
+        assert code == 0
+        return next(r for r in json.loads(out)["rows"] if r["stage"] == 2)["network"]["suggested_bucket_elements"]
+
+    # bf16 measured 4x faster than fp32: a bf16 run's buckets grow with its own fit; an fp32 run's stay at fp32's.
+    assert bucket("bf16", 4e11) > bucket("bf16", None)
+    assert bucket("fp32", 4e11) == bucket("fp32", None)
 
 
 DOC = REPO / "docs" / "choosing_a_stage.md"
