@@ -41,6 +41,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from common.communication import plan_communication, setup_from_ds_config, with_recipe_moe
 from common.describe import RecipeDescription
 from common.memory_formulas import ModelFacts
@@ -258,7 +260,29 @@ def summary_communication(
         return None
     groups = _RECORDER.param_groups if _RECORDER is not None else 1
     elements = _RECORDER.elements if _RECORDER is not None else None
-    return communication_beside_plan(logged_steps(), describe_run(), param_groups=groups, elements=elements)
+    run = describe_run()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        run = with_launched_world(run, torch.distributed.get_world_size())
+    return communication_beside_plan(logged_steps(), run, param_groups=groups, elements=elements)
+
+
+def with_launched_world(run: RecipeDescription, world_size: int) -> RecipeDescription:
+    """``run`` planned for the ranks actually launched.
+
+    A description takes its ranks from the config (``devices=0``: every local GPU), while a launcher may start fewer
+    processes than the host has GPUs; the plan of a finished run must use the ranks that moved the logged bytes.
+
+    Args:
+        run: the recipe's description of the run (``--describe``).
+        world_size: the process group's size.
+
+    Returns:
+        ``run`` itself when the sizes agree; else a copy with ``world_size`` and ``devices_per_node`` (the ranks spread
+        over the description's nodes) replaced.
+    """
+    if world_size == run.world_size:
+        return run
+    return replace(run, world_size=world_size, devices_per_node=max(1, world_size // run.num_nodes))
 
 
 # --- reading a log back ------------------------------------------------------------------------------------------
