@@ -255,7 +255,6 @@ def measure(small: bool, reps: int, steps: int, timed_steps: int, lock: Path | N
         "steps": steps,
         "timed_steps": timed_steps,
         "timing_warmup": TIMING_WARMUP,
-        "doctor_sizes": DOCTOR_SIZES,
         "doctor_iters": DOCTOR_ITERS,
         "repetitions": repetitions,
         "rows_4": four,
@@ -408,12 +407,19 @@ def time_verdict(timed: list[dict]) -> str:
         outside.append(f"{t['name']} ({low:.2f}-{high:.2f}, {beyond:.2f} beyond)")
     return (
         f"The seconds bar is met on {len(timed) - len(missed)} of {len(timed)} stage rows; the intervals of "
-        f"{'; '.join(outside)} reach outside {1 - TIME_BAR:.2f}-{1 + TIME_BAR:.2f}. Why: the two ranks share 2 "
-        "cores with each other and with the machine's other work, so a step's collectives are timed with whatever "
-        "else ran in that second, and each link is fitted from doctor's own run, timed the same way; stage 3's "
-        "per-parameter gathers (64 KiB-1 MiB, prefetch off) are mostly latency, the least steady part of a fit. "
-        "The planner is not tuned toward these figures."
+        f"{'; '.join(outside)} reach outside {1 - TIME_BAR:.2f}-{1 + TIME_BAR:.2f}. The likely causes: the two "
+        "ranks share 2 cores with each other and with the machine's other work, so a step's collectives are timed "
+        "with whatever else ran in that second, and each link is fitted from doctor's own run, timed the same way; "
+        "stage 3's per-parameter gathers (64 KiB-1 MiB, prefetch off) are mostly latency, the least steady part of "
+        "a fit. The planner is not tuned toward these figures."
     )
+
+
+def doctor_sizes_text(results: dict) -> str:
+    """The message sizes doctor timed in a results file, read from its rows: ``64 KiB, 1 MiB and 8 MiB``."""
+    sizes = sorted({int(row["bytes"]) for row in results["repetitions"][0]["doctor"]["collectives"]})
+    words = [f"{n // 2**20} MiB" if n >= 2**20 else f"{n // 2**10} KiB" for n in sizes]
+    return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else words[0]
 
 
 def doctor_dtypes_text(results: dict) -> str:
@@ -478,8 +484,9 @@ def render_body(results: dict) -> str:
             "",
             f"Seconds per step in collectives, measured against planned over the links `zero-recipes doctor "
             f"--collectives` measured in the same repetition, {doctor_dtypes_text(results)}, at "
-            f"{results.get('doctor_sizes', 'its default sizes')} ({reps} repetition(s) under the lock, each doctor "
-            f"then the stage rows, {steps} optimizer steps a row, the first {warmup} not counted, the median step; "
+            f"{doctor_sizes_text(results)} ({reps} repetition(s) under the lock, each doctor "
+            f"then the stage rows, {steps} optimizer steps a row of which {warmup} warm-up not counted, the median "
+            "step; "
             f"the bar: planned / measured within {TIME_BAR:.0%}, judged on the median's interval over the "
             "repetitions). Measured: per step the least of the ranks' logged seconds, the rank that reached the "
             "collectives last and so waited for no other rank's compute; the slowest rank's figure, transfer and "
