@@ -4,10 +4,11 @@
 
 Each row (a preset, gradient accumulation, precision, DeepSpeed overrides) builds the NLP recipe's tiny Llama the way
 the recipe does (inside ``deepspeed.zero.Init`` at stage 3, the factory's DeepSpeed config, AdamW or DeepSpeed's
-CPU Adam under offload), trains ``--steps`` optimizer steps on fixed random tokens with DeepSpeed's ``comms_logger``
-on, and records per step: the logged calls (per op and message size, common.comms_log), the step's wall time,
-and the seconds the training thread spent in collectives: a synchronous call's logged latency plus the time it waited
-for stage 3's asynchronous all-gathers (``AllGather*Handle.wait``, timed here: the logger times only their launch).
+CPU Adam under offload), trains ``--steps`` optimizer steps (a row's own ``steps`` if it names them) on fixed
+random tokens with DeepSpeed's ``comms_logger`` on, and records per step: the logged calls (per op and message size,
+common.comms_log), the step's wall time, and the seconds the training thread spent in collectives: a synchronous
+call's logged latency plus the time it waited for stage 3's asynchronous all-gathers (``AllGather*Handle.wait``, timed
+here: the logger times only their launch).
 Rows run one after the other in one group; rank 0 writes every rank's records to OUT.json.
 """
 
@@ -110,7 +111,7 @@ def run_row(row: dict, steps: int, nvme: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", required=True, help="JSON list of rows")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps of a row that names none")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -125,7 +126,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="zr-nvme-") as nvme:
         for row in rows:
-            mine = run_row(row, args.steps, nvme)
+            mine = run_row(row, row.get("steps", args.steps), nvme)  # a timed row may run longer
             everyone: list = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(everyone, mine)
             results.append(everyone)

@@ -10,13 +10,14 @@ communication log, ``comms_logger``, by ``bench/communication.py``):
   "reduce_scatter" is an all-reduce of the whole bucket of which each rank keeps its part
   (``use_multi_rank_bucket_allreduce``, on by default), then the same all-gather after the step;
 - stage 3: every micro-batch all-gathers each sharded parameter before its forward pass, all-gathers again in the
-  backward pass the parameters it released in between (those whose next use lies further than
-  ``stage3_max_reuse_distance`` elements ahead in the trace; with the default 1e9 a model under about 1e9
-  parameters keeps them all), and reduce-scatters every gradient. Parameters of at most
+  backward pass the parameters it released in between, and reduce-scatters every gradient. Which are released is
+  DeepSpeed's parameter coordinator's decision, replayed here over the module trace (:func:`stage3_gathers`): a
+  parameter stays gathered when its next use lies within ``stage3_max_reuse_distance`` elements of the trace (with the
+  default 1e9 a model under about 1e9 parameters keeps them all), or when the prefetch, which gathers up to
+  ``stage3_max_live_parameters`` elements ahead of compute, has already passed its backward use. Parameters of at most
   ``stage3_param_persistence_threshold`` elements are not gathered for compute (they stay whole on every rank) but
   their gradients are reduce-scattered like the rest, and after the step each rank's updated partition of them is
-  all-gathered once. ``stage3_max_live_parameters`` bounds the prefetch, not what is
-  gathered: it moves no byte. hpZ (``zero_hpz_partition_size``) gathers the backward pass's parameters from a
+  all-gathered once. hpZ (``zero_hpz_partition_size``) gathers the backward pass's parameters from a
   second copy sharded inside the node; qwZ (``zero_quantized_weights``) sends int8 weights in the forward all-gather
   and qgZ (``zero_quantized_gradients``) replaces the reduce-scatter by an int4 all-to-all;
 - tensor parallelism (AutoTP) all-reduces activations, sequence parallelism (Ulysses) sends queries, keys, values and
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -156,7 +158,8 @@ class CommSetup:
         reduce_bucket_size: elements per gradient reduction (``reduce_bucket_size``): sets the calls, not the bytes.
         prefetch_bucket_size: ``stage3_prefetch_bucket_size``: stage 3 gathers this many elements per call ahead of
             use (0: one call per module, no look-ahead).
-        max_live_parameters: ``stage3_max_live_parameters``: gathered elements the prefetch may hold at once.
+        max_live_parameters: ``stage3_max_live_parameters``: gathered elements the prefetch may hold at once (how
+            far ahead it reaches, and so which parameters stay gathered for the backward pass).
         tokens_per_micro_batch: micro batch x sequence length per replica: the activations that TP, SP and EP send.
         ranks_per_node: ranks on one node (None: all on one node): which groups cross the network.
         param_groups: optimizer parameter groups (stages 1-2 all-gather each group's partition in one call).
@@ -279,40 +282,113 @@ def shard_elements(numel: int, ranks: int) -> int:
     return -(-numel // ranks)
 
 
-def released_before_backward(
-    numels: tuple[int, ...], persistent_threshold: int, max_reuse_distance: float
-) -> list[bool]:
-    """Per parameter (in forward order): whether stage 3 releases it after its forward use and gathers it again in the
-    backward pass.
+def stage3_module_trace(param_count: int) -> tuple[tuple[int, ...], ...]:
+    """The modules stage 3 fetches in one micro-batch, in order (forward, then backward), as the indices (in
+    registration order) of the parameters each holds directly; ``()`` for a container, which takes a step of
+    DeepSpeed's trace and holds nothing.
 
-    DeepSpeed (``PartitionedParameterCoordinator.__params_to_release``) keeps a parameter gathered when it occurs
-    again among the modules whose parameters add up to ``max_reuse_distance`` elements from the current point of the
-    trace. The trace runs forward then backward, so after parameter i's forward use the modules ahead are those after
-    it (forward) and then those after it again (backward, in reverse): its next use lies 2 x (elements after it)
-    ahead. Persistent parameters are never released. One parameter stands for one module here (a Llama layer's
-    modules each hold one matrix); a module's order inside a layer can differ from its parameters' order by a few
-    matrices. A prefetch that can hold the whole model keeps everything gathered (:func:`prefetch_holds_everything`).
+    A list of 3 + 9 x layers parameters is read as a ``transformers`` Llama: registered as the embedding, per layer
+    q, k, v, o, gate, up, down and the two norms, then the final norm and the output layer; called as the causal LM,
+    the model, the embedding, the rotary embedding, per layer the layer, its input norm, the attention (q, k, v, o),
+    the post-attention norm, the MLP (gate, the activation, up, down); the final norm and the output layer. The
+    backward pass fetches the modules whose outputs need a gradient (not the rotary embedding) in reverse: autograd
+    on a CPU runs the ready node created last first, so a container comes before its children. Any other list is one
+    module per parameter under one container.
     """
-    after = 0
-    released = [False] * len(numels)
-    for i in range(len(numels) - 1, -1, -1):
-        sharded = numels[i] > persistent_threshold
-        released[i] = sharded and 2 * after >= max_reuse_distance
-        after += numels[i]
-    return released
+    none: tuple[int, ...] = ()
+    layers, rest = divmod(param_count - 3, 9)
+    if rest or layers < 1:
+        forward = [none, *((i,) for i in range(param_count))]
+        return (*forward, none, *((i,) for i in reversed(range(param_count))))
+    norm, head = param_count - 2, param_count - 1
+    forward = [none, none, (0,), none]  # the causal LM, the model, the embedding, the rotary embedding
+    backward = [none, (head,), none, (norm,)]  # the causal LM, the output layer, the model, the final norm
+    for layer in range(layers):
+        q, k, v, o, gate, up, down, input_norm, attention_norm = range(1 + 9 * layer, 10 + 9 * layer)
+        forward += [none, (input_norm,), none, (q,), (k,), (v,), (o,), (attention_norm,)]
+        forward += [none, (gate,), none, (up,), (down,)]
+    for layer in reversed(range(layers)):
+        q, k, v, o, gate, up, down, input_norm, attention_norm = range(1 + 9 * layer, 10 + 9 * layer)
+        backward += [none, none, (down,), (up,), none, (gate,), (attention_norm,)]
+        backward += [none, (o,), (v,), (k,), (q,), (input_norm,)]
+    return (*forward, (norm,), (head,), *backward, (0,))
 
 
-def prefetch_holds_everything(sharded_elements: float, setup: CommSetup) -> bool:
-    """Whether stage 3's prefetch keeps every sharded parameter gathered from its forward to its backward use.
+def stage3_gathers(
+    trace: tuple[tuple[int, ...], ...],
+    numels: tuple[int, ...],
+    persistent_threshold: int,
+    prefetch_bucket_size: float,
+    max_live_parameters: float,
+    max_reuse_distance: float,
+) -> list[int]:
+    """How many times stage 3 all-gathers each parameter in one micro-batch: DeepSpeed's
+    ``PartitionedParameterCoordinator`` replayed over a module trace (:func:`stage3_module_trace`).
 
-    The prefetch walks the parameter trace ahead of compute, a bucket per module, and marks each use it passes as
-    fetched; a parameter whose later use is marked is not released. When ``stage3_max_live_parameters`` lets it hold
-    every sharded parameter at once, it soon has the whole forward pass in flight and sweeps the backward uses too:
-    nothing is released, whatever the reuse distance (measured: the 5.3M-parameter tiny Llama at reuse distance 0
-    gathered each parameter once a micro-batch with prefetch on, twice with prefetch off). Otherwise the reuse
-    distance decides (:func:`released_before_backward`).
+    At each module of the trace, in order: its parameters not available are gathered (``fetch_sub_module``); its
+    entries are popped off the parameter queue; with prefetch on, the queue is popped further while the elements it
+    gathers stay under ``min(max_live_parameters - elements available, prefetch_bucket_size)``, each use it passes
+    marked as fetched and each parameter not available gathered ahead; then the module's parameters are released
+    (``__params_to_release``) unless a later use of theirs was marked by the prefetch, or they occur again among the
+    next modules whose parameters add up to less than ``max_reuse_distance`` elements. Persistent parameters (at most
+    ``persistent_threshold`` elements) are never gathered. A prefetch whose live bound holds the whole model thus
+    sweeps the backward uses too and nothing is gathered twice; bounded under it, the modules it reached before the
+    forward pass ended (the last ones, used first by the backward pass) stay gathered. Every micro-batch starts with
+    nothing gathered, as DeepSpeed's ``reset_step`` and its release of what backward left.
     """
-    return setup.prefetch_bucket_size > 0 and sharded_elements <= setup.max_live_parameters
+    persistent = [n <= persistent_threshold for n in numels]
+    uses: dict[int, list[int]] = {}
+    for step, module in enumerate(trace):
+        for i in module:
+            uses.setdefault(i, []).append(step)
+    # Elements of the trace before each step: the reuse-distance window of a step is a difference of two of them.
+    before = [0]
+    for module in trace:
+        before.append(before[-1] + sum(numels[i] for i in module))
+    queue = deque((i, step) for step, module in enumerate(trace) for i in sorted(module))
+    available = {i for i, kept in enumerate(persistent) if kept}
+    live = 0
+    marked: dict[int, int] = {}  # DeepSpeed's __most_recent_step_id_param_fetched_for
+    gathers = [0] * len(numels)
+
+    def gather(params: set[int] | tuple[int, ...]) -> None:
+        nonlocal live
+        for i in params:
+            if i not in available:
+                available.add(i)
+                live += numels[i]
+                gathers[i] += 1
+
+    for step, module in enumerate(trace):
+        gather(module)
+        unmarked = {i for i in module if marked.get(i, -1) < step}
+        popped: set[int] = set()
+        while queue and len(popped) < len(unmarked):
+            i, use = queue.popleft()
+            marked[i] = use
+            popped.add(i)
+        if prefetch_bucket_size > 0:
+            budget = min(max_live_parameters - live, prefetch_bucket_size)
+            ahead: set[int] = set()
+            elements = 0
+            while queue and elements < budget:
+                i, use = queue.popleft()
+                marked[i] = max(marked.get(i, -1), use)
+                if i not in available and i not in ahead:
+                    ahead.add(i)
+                    elements += numels[i]
+            gather(ahead)
+        now = step + 1  # the coordinator counts the fetch before the module's release
+        for i in module:
+            if persistent[i] or marked.get(i, -1) > now:
+                continue
+            later = [use for use in uses[i] if use >= now]
+            if later and before[later[0]] - before[now] < max_reuse_distance:
+                continue
+            if i in available:
+                available.discard(i)
+                live -= numels[i]
+    return gathers
 
 
 # --- the account ---------------------------------------------------------------------------------------------
@@ -320,8 +396,8 @@ def prefetch_holds_everything(sharded_elements: float, setup: CommSetup) -> bool
 
 def forward_numels(facts: ModelFacts) -> tuple[int, ...]:
     """The model's parameters in forward order: ``param_numels`` when they list the matrices one by one, else a
-    Llama-shaped list from the shape (embedding; per layer a norm, the attention's four matrices, a norm, the MLP's
-    three; the final norm and the output layer) scaled to ``num_params``.
+    Llama-shaped list from the shape in registration order (embedding; per layer the attention's four matrices, the
+    MLP's three and two norms; the final norm and the output layer) scaled to ``num_params``.
 
     ``assumed_transformer`` (a bare ``--params``) lumps every matrix into one entry, which would hide the order that
     stage 3's reuse distance reads; a lump is recognised as one entry holding over half of the parameters.
@@ -333,7 +409,7 @@ def forward_numels(facts: ModelFacts) -> tuple[int, ...]:
     h, layers = facts.hidden_size, facts.num_layers
     inter = facts.intermediate_size or int(8 * h / 3)
     vocab = facts.vocab_size or 0
-    layer = (h, h * h, h * h, h * h, h * h, h, h * inter, h * inter, h * inter)
+    layer = (h * h, h * h, h * h, h * h, h * inter, h * inter, h * inter, h, h)  # registration order
     shape = (vocab * h, *(layer * layers), h, vocab * h)
     scale = facts.num_params / sum(shape)
     return tuple(max(1, round(n * scale)) for n in shape)
@@ -368,7 +444,7 @@ def plan_communication(facts: ModelFacts, setup: CommSetup, layout: ParallelLayo
     """Every collective one rank takes part in during one optimizer step (module docstring).
 
     Args:
-        facts: the model; ``param_numels`` in registration order (forward order for a Llama) gives the stage-3
+        facts: the model; ``param_numels`` in registration order (a Llama's is read as such) gives the stage-3
             schedule exactly, without it the model is one lump.
         setup: the ZeRO config and batch.
         layout: world size and the TP, PP, EP and SP degrees.
@@ -440,10 +516,16 @@ def _stage3(numels: tuple[int, ...], setup: CommSetup, ranks: int, scope: str, t
     p = WORKING_BYTES[setup.precision]
     a = setup.grad_accum
     gathered = [n for n in numels if n > setup.persistence_threshold]
-    released = released_before_backward(numels, setup.persistence_threshold, setup.max_reuse_distance)
-    regathered = [n for n, again in zip(numels, released) if again]
-    if prefetch_holds_everything(sum(gathered), setup):
-        regathered = []
+    counts = stage3_gathers(
+        stage3_module_trace(len(numels)),
+        numels,
+        setup.persistence_threshold,
+        setup.prefetch_bucket_size,
+        setup.max_live_parameters,
+        setup.max_reuse_distance,
+    )
+    # Gathered a second time (or more): released after the forward use, needed again by the backward pass.
+    regathered = [n for n, count in zip(numels, counts) for _ in range(count - 1)]
     weight_bytes = INT8_BYTES if setup.quantized_weights else p
     transfers = []
     if gathered and ranks > 1:

@@ -14,7 +14,7 @@ from _util import PYTHON, REPO, run
 
 sys.path.insert(0, str(REPO))
 from bench._bench_util import read_results  # noqa: E402
-from bench.communication import SECTION, byte_rows, render_sections, time_rows  # noqa: E402
+from bench.communication import SECTION, byte_rows, doctor_sizes_text, render_sections, time_rows  # noqa: E402
 
 
 @pytest.mark.slow
@@ -43,6 +43,9 @@ def test_small_mode_plans_every_logged_byte_within_the_bar(tmp_path):
     assert persistent["collectives"]["all_gather"]["logged"] == pytest.approx(once, rel=1e-3)
     timed = time_rows(written)
     assert [t["name"] for t in timed] == list(rows)[:2]
+    # Small mode times the rows for --steps, and doctor timed the sizes that bracket the rows' messages.
+    assert (written["timed_steps"], written["timing_warmup"]) == (3, 2)
+    assert doctor_sizes_text(written) == "4 KiB, 64 KiB, 256 KiB, 1 MiB, 4 MiB, 8 MiB and 16 MiB"
     assert all(t["measured_s"][0] > 0 and t["planned_s"][0] > 0 for t in timed)
     body = render_sections({"results": written})[SECTION]
     assert "| stage 2, GA 2 | 2 |" in body and "planned / measured" in body

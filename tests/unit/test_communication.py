@@ -21,8 +21,9 @@ from common.communication import (
     parse_link,
     plan_communication,
     plan_seconds,
-    released_before_backward,
     setup_from_ds_config,
+    stage3_gathers,
+    stage3_module_trace,
     step_share,
     suggested_bucket_elements,
     with_recipe_moe,
@@ -84,27 +85,72 @@ def test_stage_3_persistent_parameters_are_not_gathered_but_their_gradients_are_
     assert p.message_bytes("reduce_scatter") == 2 * 2522
 
 
+# The five parameters' trace: a container, each parameter's module forward, the container, each again backward.
+TRACE = ((), (0,), (1,), (2,), (3,), (4,), (), (4,), (3,), (2,), (1,), (0,))
+
+
+def gathers(max_reuse_distance: float = 1e9, prefetch_bucket_size: float = 0, max_live_parameters: float = 1e9):
+    return stage3_gathers(TRACE, NUMELS, 10, prefetch_bucket_size, max_live_parameters, max_reuse_distance)
+
+
+def test_stage_3_module_trace_runs_forward_then_backward_in_reverse():
+    assert stage3_module_trace(5) == TRACE
+    llama = stage3_module_trace(3 + 9 * 2)  # two layers: every parameter fetched once each way
+    assert sorted(i for module in llama for i in module) == sorted(2 * list(range(21)))
+    assert llama[2] == (0,) and llama[-1] == (0,)  # the embedding first forward, last backward
+    # The output layer ends the forward pass after the final norm and, after the causal LM's own step (a container),
+    # starts the backward pass.
+    head = llama.index((20,))
+    assert llama[head - 1] == (19,) and llama[head + 1 : head + 3] == ((), (20,))
+
+
 def test_stage_3_reuse_distance_decides_the_backward_gather():
-    # After the first matrix come 1521 elements: its backward use is 2 x 1521 = 3042 elements ahead.
-    assert released_before_backward(NUMELS, 10, 3042) == [True, False, False, False, False]
-    assert released_before_backward(NUMELS, 10, 3043) == [False] * 5
-    # Distance 0 releases every sharded parameter (the norms persist either way).
-    assert released_before_backward(NUMELS, 10, 0) == [True, False, True, False, True]
+    """Worked by hand on TRACE, the norms persistent: after matrix 0's forward (step 1, released at step 2) the
+    modules before its backward use (step 11) hold 10 + 1000 + 10 + 501 + 501 + 10 + 1000 + 10 = 3042 elements;
+    after matrix 2's, 10 + 501 + 501 + 10 = 1022; after the head's, only the container (0)."""
+    assert gathers(3042) == [2, 0, 1, 0, 1] and gathers(3043) == [1, 0, 1, 0, 1]
+    assert gathers(1022) == [2, 0, 2, 0, 1] and gathers(1023) == [2, 0, 1, 0, 1]
+    assert gathers(0) == [2, 0, 2, 0, 2] and gathers(1) == [2, 0, 2, 0, 1]
     default = plan(3, persistence_threshold=10, prefetch_bucket_size=0)
     short = plan(3, persistence_threshold=10, max_reuse_distance=0, prefetch_bucket_size=0)
     assert short.message_bytes("all_gather") - default.message_bytes("all_gather") == 2 * (500 + 500 + 251)
 
 
-def test_a_prefetch_that_holds_the_whole_model_keeps_it_gathered_whatever_the_reuse_distance():
-    """Measured on the tiny Llama: with prefetch on and stage3_max_live_parameters above the model, each parameter
-    is gathered once a micro-batch even at reuse distance 0; bounded under the model, the reuse distance decides."""
+def test_stage_3_prefetch_keeps_what_it_passed_and_its_live_bound_limits_how_far_it_looks():
+    """Reuse distance 0, worked by hand on TRACE. A live bound over the model: the first prefetch walks the whole
+    queue, marks every backward use and nothing is released. Bound 2000: the first prefetch gathers matrices 0 and 2;
+    matrix 0 is released (its backward use not yet passed), then at the norm the prefetch (1000 free) gathers the head,
+    passes the head's and matrix 2's backward uses (both available: marked, so kept) and gathers matrix 0 again ahead
+    of its backward use. Bound 1000: one matrix ahead at a time, only the head's backward use is passed in time."""
+    assert gathers(0, 5e7, 1e9) == [1, 0, 1, 0, 1]
+    assert gathers(0, 5e7, 2000) == [2, 0, 1, 0, 1]
+    assert gathers(0, 5e7, 1000) == [2, 0, 2, 0, 1]
+    # The release compares the marked use with the step after the module's fetch, strictly: a parameter the very next
+    # module uses again is released and gathered again (the reuse distance, when above 0, keeps it).
+    assert stage3_gathers(((0,), (0,)), (1000,), 10, 5e7, 1e9, 0) == [2]
+    assert stage3_gathers(((0,), (0,)), (1000,), 10, 5e7, 1e9, 1) == [1]
     on = plan(3, max_reuse_distance=0)  # DeepSpeed's prefetch (5e7) and live bound (1e9) hold 2521 elements
-    bounded = plan(3, max_reuse_distance=0, max_live_parameters=2000)
     off = plan(3, max_reuse_distance=0, prefetch_bucket_size=0)
     assert on.message_bytes("all_gather") == 2 * 1261
-    assert bounded.message_bytes("all_gather") == off.message_bytes("all_gather") == 2 * 2 * 1261
+    assert off.message_bytes("all_gather") == 2 * 2 * 1261
     # Prefetch coalesces the gathers: one call per bucket, not one per parameter.
     assert on.calls("all_gather") == 1 and off.calls("all_gather") == 2 * 5
+
+
+def test_a_bounded_prefetch_on_the_tiny_llama_matches_deepspeeds_log():
+    """The bench's row 'stage 3, threshold 0, reuse distance 0, prefetch on, max live 2e6' (the NLP recipe's tiny
+    Llama: vocabulary 4096, hidden 256, 4 layers, MLP 688, bf16, 2 ranks): DeepSpeed's comms_logger recorded
+    8,683,264 bytes of all-gather per step. The prefetch reached the output layer, the final norm and the last layer
+    (1,839,872 elements) before their forward releases: they stay gathered, the rest is gathered twice."""
+    h, inter, vocab = 256, 688, 4096
+    layer = (h * h, h * h, h * h, h * h, h * inter, h * inter, h * inter, h, h)  # registration order
+    numels = (vocab * h, *(layer * 4), h, vocab * h)
+    facts = ModelFacts(num_params=sum(numels), param_numels=numels, hidden_size=h, num_layers=4, num_heads=4)
+    setup = dict(persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=1887436)
+    bounded = plan(3, facts=facts, precision="bf16", max_live_parameters=2_000_000, **setup)
+    assert bounded.message_bytes("all_gather") == 8_683_264
+    kept = vocab * h + h + sum(layer)
+    assert bounded.message_bytes("all_gather") == 2 * (2 * sum(n // 2 for n in numels) - kept // 2)
 
 
 def test_hpz_gathers_the_backward_pass_inside_the_node():
