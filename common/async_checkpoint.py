@@ -836,5 +836,9 @@ def host_copy(state: Any) -> Any:
 def write_deferred(deferred: list[tuple[Any, dict[str, Any]]], group: Any) -> None:
     """The writer thread: each deferred ``dcp.save``, in the order the front-end made them, over ``group`` (a gloo
     group of every rank, not the training's, whose collectives run meanwhile)."""
+    # Tests only: each write held in flight this long, as common.fsdp2's writer holds the Accelerate loop's, so that a
+    # test can kill a rank while a front-end's own save (Lightning's) is being written.
+    write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0"))
     for state_dict, kwargs in deferred:
+        time.sleep(write_delay_s)
         dcp.save(state_dict, **{**kwargs, "process_group": group})

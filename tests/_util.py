@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from common.rundir import free_port  # noqa: F401  (the tests import it from here)
@@ -112,11 +116,30 @@ def check_async_saves(out_dir: Path, saved_steps: list[int], world_size: int = 2
     return latest
 
 
-def tiny_fp32_run(steps: int) -> list[str]:
+@functools.cache
+def stdlib_tokenizer() -> Path:
+    """The byte-level BPE tokenizer (vocabulary 4096) the NLP recipe trains on the standard library's train split when
+    given none, trained once per test session as the recipe trains it (2-3 s, on rank 0 of every run otherwise), in a
+    folder removed at exit. Runs given it with ``tokenizer=`` get the same tokens, so the same losses."""
+    from nlp.data import read_files, split_files, stdlib_source_files, train_bpe_tokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="zero-recipes-tokenizer-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    train_files, _ = split_files(stdlib_source_files(), val_fraction=0.05, seed=0)
+    train_bpe_tokenizer(read_files(train_files), vocab_size=4096, out_dir=folder)
+    return folder
+
+
+def tiny_fp32_run(steps: int, own_tokenizer: bool = False) -> list[str]:
     """NLP recipe arguments for an equivalence run: the tiny model, fp32 (losses equal to rounding across layouts),
     ``steps`` optimizer steps, each logged, one evaluation and one checkpoint at the end, a short sample. The
-    learning rate is constant after warmup, so a run resumed with a larger ``max_steps`` keeps the schedule."""
+    learning rate is constant after warmup, so a run resumed with a larger ``max_steps`` keeps the schedule.
+
+    The runs load the session's :func:`stdlib_tokenizer` rather than each training its own, unless ``own_tokenizer``
+    (a test of the run directory's ``tokenizer/`` folder)."""
+    shared = [] if own_tokenizer else [f"tokenizer={stdlib_tokenizer()}"]
     return [
+        *shared,
         "data=stdlib",
         "max_train_tokens=60000",
         "precision=fp32",

@@ -14,7 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from _util import NLP_RECIPE, PYTHON, assert_trained, launch_nlp, one_error, read_json, run, tiny_fp32_run
+from _util import (
+    NLP_RECIPE,
+    PYTHON,
+    assert_trained,
+    launch_nlp,
+    one_error,
+    read_json,
+    run,
+    stdlib_tokenizer,
+    tiny_fp32_run,
+)
 
 from common.config import load_config
 from common.errors import ConfigError
@@ -227,7 +237,7 @@ def test_parameter_bytes_per_rank_are_the_planners(runs):
 
     from nlp.moe import build_moe_config
 
-    tokenizer = AutoTokenizer.from_pretrained(str(runs[2] / "tokenizer"))
+    tokenizer = AutoTokenizer.from_pretrained(str(stdlib_tokenizer()))  # the one the runs loaded
     facts = facts_from_model_config(build_moe_config("moe_tiny", tokenizer=tokenizer, seq_len=64), "test")
     measured = {}
     for ep in (2, 1):

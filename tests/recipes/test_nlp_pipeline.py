@@ -29,7 +29,8 @@ RECIPE = NLP_RECIPE
 TRAIN_PIPELINE = RECIPE / "train_pipeline.py"
 STEPS = 5
 RESUME_AT = 3  # the PP 2 run stops here, then resume=true trains it to STEPS (the learning rate is constant by then)
-RUN = [*tiny_fp32_run(STEPS), "preset=deepspeed_stage_1", "pipeline_micro_batches=2"]
+# Each run trains its own tokenizer: the run directory checked below holds it, as a user's run does.
+RUN = [*tiny_fp32_run(STEPS, own_tokenizer=True), "preset=deepspeed_stage_1", "pipeline_micro_batches=2"]
 
 
 # --- fast: the combinations refused before any work ---------------------------------------------------

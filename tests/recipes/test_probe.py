@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _util import REPO, subprocess_env
+from _util import REPO, stdlib_tokenizer, subprocess_env
 
 from common.tools import probe, recipes
 from common.tools.probe import Candidate, ProbeRow
@@ -353,22 +353,8 @@ def rows_written(report: Path) -> int:
         return 0
 
 
-@pytest.fixture
-def stdlib_tokenizer(tmp_path_factory) -> Path:
-    """The BPE tokenizer an NLP candidate trains on the standard library's train split when given none (2-3 s a
-    candidate), trained once here, as the recipe trains it: the candidates load it with ``tokenizer=``."""
-    from nlp.data import read_files, split_files, stdlib_source_files, train_bpe_tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    train_files, _ = split_files(stdlib_source_files(), val_fraction=0.05, seed=0)
-    train_bpe_tokenizer(read_files(train_files), vocab_size=4096, out_dir=folder)
-    return folder
-
-
 @pytest.mark.slow
-def test_probe_four_candidates_on_two_cpu_processes_then_ctrl_c_keeps_the_rows_and_leaves_no_rank(
-    tmp_path, stdlib_tokenizer
-):
+def test_probe_four_candidates_on_two_cpu_processes_then_ctrl_c_keeps_the_rows_and_leaves_no_rank(tmp_path):
     """One real probe, the one a user runs: four candidates measured, then Ctrl-C while a fifth starts its ranks.
 
     The four rows, the report, the offload timing, the communication and the recommendation come from the rows
@@ -376,7 +362,7 @@ def test_probe_four_candidates_on_two_cpu_processes_then_ctrl_c_keeps_the_rows_a
     names = ["ddp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
     interrupted = "deepspeed_stage_1"
     args = ["probe", "nlp", "--candidates", ",".join([*names, interrupted]), "--steps", "4", "--devices", "2",
-            "--out", str(tmp_path), *TINY, "--set", f"tokenizer={stdlib_tokenizer}"]  # fmt: skip
+            "--out", str(tmp_path), *TINY, "--set", f"tokenizer={stdlib_tokenizer()}"]  # fmt: skip
     # As from a terminal: SIGINT at its default even when this test runs in a background job (which ignores it).
     restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     start = time.perf_counter()

@@ -25,6 +25,7 @@ import torch
 
 from common.async_checkpoint import (
     MARKER,
+    WRITE_DELAY_ENV,
     ZERO_COPY_MIN_BYTES,
     AsyncCheckpointer,
     Checkpointer,
@@ -34,6 +35,7 @@ from common.async_checkpoint import (
     snapshot,
     snapshot_engine,
     without_crc32,
+    write_deferred,
 )
 from common.checkpoint import latest_checkpoint
 
@@ -363,3 +365,19 @@ def test_a_torch_save_through_a_direct_file_loads_as_saved(tmp_path):
     direct.close()
     loaded = torch.load(tmp_path / "s.pt", weights_only=True)
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["ids"], state["ids"]) and loaded["step"] == 5
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no group: as asked
+def test_the_test_write_delay_holds_a_front_ends_deferred_dcp_save_before_it_writes(tmp_path, monkeypatch):
+    """Lightning's own FSDP2 save reaches DCP through :func:`write_deferred`: the test-only write delay must hold it
+    before anything is written, as common.fsdp2's writer holds the Accelerate loop's (the SIGKILL test of
+    tests/recipes/test_fsdp2_recipes.py kills a rank inside that window on both front-ends)."""
+    import common.async_checkpoint as async_checkpoint
+
+    folder = tmp_path / "step"
+    held = []  # (seconds, whether DCP's metadata existed yet) per sleep of the writer
+    monkeypatch.setenv(WRITE_DELAY_ENV, "2.5")
+    monkeypatch.setattr(async_checkpoint.time, "sleep", lambda s: held.append((s, (folder / ".metadata").exists())))
+    write_deferred([({"w": torch.arange(4.0)}, {"checkpoint_id": folder, "no_dist": True})], group=None)
+    assert held == [(2.5, False)]  # held once, before the write
+    assert (folder / ".metadata").is_file()  # then written
