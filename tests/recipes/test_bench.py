@@ -33,8 +33,8 @@ def test_gpu_driver_refuses_an_unknown_variant_with_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "error: unknown variant 'stage9' (did you mean 'stage3'?); valid: stage0, stage1, stage2, stage3, "
-        "stage3_offload, stage3_zeropp, stage3_nvme, stage2_bf16_states, sdpa, ac_none, ac_full, "
-        "ac_every_k, long, long_tiled, long_sp2, long_tiled_offload, recipe_async_save, doctor"
+        "fsdp2_grad_op, fsdp2, stage3_offload, stage3_zeropp, stage3_nvme, stage2_bf16_states, sdpa, ac_none, "
+        "ac_full, ac_every_k, long, long_tiled, long_sp2, long_tiled_offload, recipe_async_save, doctor"
     )
     assert not (tmp_path / "x.md").exists()
 
@@ -56,28 +56,32 @@ def test_gpu_script_without_a_gpu_points_to_the_cpu_mode():
 
 
 @pytest.mark.slow
-def test_gpu_script_cpu_mode_runs_offload_sequence_parallel_and_tiling_variants(tmp_path):
+def test_gpu_script_cpu_mode_runs_offload_sequence_parallel_tiling_and_fsdp2_variants(tmp_path):
     doc, results = tmp_path / "benchmarks_gpu.md", tmp_path / "gpu.json"
-    args = ["--cpu", "--variants", "stage3_offload,long_sp2,long_tiled_offload", "--doc", doc, "--json", results]
+    variants = "stage3_offload,long_sp2,long_tiled_offload,fsdp2_grad_op"
+    args = ["--cpu", "--variants", variants, "--doc", doc, "--json", results]
     run([PYTHON, "bench/gpu.py", *args], timeout=300)
     provenance, written = read_results(results)  # through write_results: provenance with the command line
     assert provenance["command"] == f"python bench/gpu.py {' '.join(map(str, args))}"
     assert written["mode"] == "cpu" and written["run"]["config"] == "recipes/nlp/configs/tiny_cpu.yaml"
     rows = written["variants"]
-    assert [r["name"] for r in rows] == ["stage3_offload", "long_sp2", "long_tiled_offload"]
+    assert [r["name"] for r in rows] == variants.split(",")
     for r in rows:
         assert "error" not in r, r
         assert r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
         assert r["mfu"] is None  # no made-up peak FLOPs on a CPU
         assert r["attention_used"] == "sdpa"
-    assert [r["stage"] for r in rows] == [3, 2, 2]
-    assert [r["activation_checkpointing"] for r in rows] == ["selective", "selective", "full"]
+    assert [r["stage"] for r in rows] == [3, 2, 2, "fsdp2_grad_op"]
+    assert [r["activation_checkpointing"] for r in rows] == ["selective", "selective", "full", "selective"]
+    # FSDP2's peer of stage 2 trains the same model (its parameters counted whole, not as this rank's shards)
+    assert rows[3]["num_params"] == rows[0]["num_params"] > 0
     assert "sequence_parallel=2" in rows[1]["overrides"]  # 2 gloo processes, Ulysses between them
     assert {"seq_len=256", "tiled_mlp_shards=8", "offload_checkpoints=true"} <= set(rows[2]["overrides"])
     assert rows[2]["checkpoint_offload_bytes"] == 0  # a CPU is host memory: nothing to move
     text = doc.read_text()
     assert "<!-- cpu-mode:start -->" in text and "CPU mode" in text
     assert "| stage3_offload | 3 | sdpa | selective |" in text and "| long_tiled_offload | 2 | sdpa | full |" in text
+    assert "| fsdp2_grad_op | fsdp2_grad_op | sdpa | selective |" in text
     # --render rebuilds the same section from the results file alone, measuring nothing
     rendered = tmp_path / "again" / "benchmarks_gpu.md"  # same name: write_section titles a new page by its name
     run([PYTHON, "bench/gpu.py", "--cpu", "--render", "--json", results, "--doc", rendered], timeout=60)
