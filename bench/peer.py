@@ -428,7 +428,10 @@ def sharding_cost_text(rows: list[dict]) -> str:
         return ""
     return (
         "Where the CPU time goes (medians of the table above): the part of a step that parameter sharding adds on "
-        "each side, against the stage-2 step both share.\n\n" + "\n".join(lines)
+        "each side, against the stage-2 step both share.\n\n"
+        + "\n".join(lines)
+        + "\n\nWhether one of DeepSpeed's stage-3 settings removes ZeRO's part on the NLP recipe: docs/presets.md, "
+        '"zero3-settings" (`python bench/peer.py --settings`).'
     )
 
 
