@@ -1,5 +1,9 @@
 """One variant of bench/gpu.py in one process: the NLP recipe's model and DeepSpeed config, timed steps.
 
+Under an FSDP2 preset (``fsdp2``, ``fsdp2_grad_op``) the same model is sharded the recipe's way instead
+(``common.strategy.shard_model``) and trained by a plain loop (backward, the recipe's clipping, the optimizer step):
+the ZeRO stage's peer, measured the same way.
+
     python -m torch.distributed.run --nproc_per_node 1 bench/_gpu_worker.py --variant '{"name": ...}' --out OUT.json
 
 Uses the recipe's own setup functions (recipes/nlp/pretraining.py): the config file and overrides, the
@@ -65,16 +69,22 @@ def main() -> None:
     ds_config = resolve_ds_config(cfg, world_size=world_size, hidden_size=hidden_size(cfg))
     with torch.device(device):  # create the weights where they train: a 1B model initialises in seconds on a GPU
         model = build_model(cfg, config, attention)
-    from common.strategy import make_optimizer
+    from common.strategy import gradient_norm, is_fsdp2, make_optimizer, shard_model
 
     # Sequence parallel (2 processes): Ulysses and its groups, the recipe's loss (common/sequence_parallel.py).
     mpu = None
     if cfg.sequence_parallel > 1:
         mpu = sequence_parallel.register(model, cfg.sequence_parallel, cfg.micro_batch_size, attention)
         ds_config.pop("train_batch_size", None)  # DeepSpeed derives it over the data-parallel ranks (world / N)
+    fsdp2 = is_fsdp2(ds_config)
+    shard_model(model, ds_config)  # FSDP2 presets only (ZeRO: DeepSpeed's, in initialize)
     optimizer = make_optimizer(model.parameters(), ds_config, lr=cfg.lr)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=mpu)
-    sp = sequence_parallel.this_rank(cfg.sequence_parallel, ds_config["zero_optimization"]["stage"])
+    if fsdp2:
+        engine, stage = model, cfg.preset
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=mpu)
+        stage = ds_config["zero_optimization"]["stage"]
+    sp = None if fsdp2 else sequence_parallel.this_rank(cfg.sequence_parallel, stage)
     tiled = cfg.tiled_loss_shards > 1
     generator = torch.Generator().manual_seed(0)
     shape = (cfg.micro_batch_size, cfg.seq_len)
@@ -88,8 +98,16 @@ def main() -> None:
                 loss = lm_loss(engine, ids, labels, tiled=tiled)
             else:  # the same sequences on every rank (one seed), each its slice
                 loss, _ = sequence_parallel.lm_loss(engine, ids, labels, sp, tiled)
-            engine.backward(loss)
-        engine.step()
+            if fsdp2:
+                loss.backward()
+            else:
+                engine.backward(loss)
+        if fsdp2:  # the recipe's loop: clip (DeepSpeed's engine clips inside its step), step, free the gradients
+            gradient_norm(model, ds_config, clip=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            engine.step()
         if on_gpu:
             torch.cuda.synchronize()
         ends.append(time.perf_counter())
@@ -102,8 +120,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
         "attention_used": attention,
         "activation_checkpointing": cfg.activation_checkpointing,
-        "stage": ds_config["zero_optimization"]["stage"],
-        "num_params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()),
+        "stage": stage,
+        "num_params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
         "median_step_s": step_s,
         "tokens_per_s": tokens_per_s,
         "mfu": mfu(tokens_per_s, flops_per_token(config, cfg.seq_len), peak_flops),

@@ -7,7 +7,8 @@
     python bench/gpu.py --cpu --variants stage2,ac_full --doc /tmp/x.md --json /tmp/x.json   # a subset, elsewhere
     python bench/gpu.py --cpu --render    # rewrite the section from bench/results/gpu_cpu_mode.json, measuring nothing
 
-Variants (one fresh process each, bench/_gpu_worker.py): ZeRO stages 0-3, stage 3 + CPU offload, ZeRO++ beside
+Variants (one fresh process each, bench/_gpu_worker.py): ZeRO stages 0-3, their FSDP2 peers (``fsdp2_grad_op``
+beside stage 2, ``fsdp2`` beside stage 3), stage 3 + CPU offload, ZeRO++ beside
 stage 3, NVMe offload and bf16 optimizer states (not ZenFlow: DeepSpeed builds its optimizers from the config's
 ``optimizer`` section, and the recipes pass their own, tests/distributed/test_zenflow.py), each with the config's
 attention (``auto``: FlashAttention-2 when flash-attn is installed on a GPU, else SDPA) and its activation
@@ -98,6 +99,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "stage1": ("deepspeed_stage_1", []),
     "stage2": ("deepspeed_stage_2", []),
     "stage3": ("deepspeed_stage_3", []),
+    # PyTorch FSDP2, the peer of stages 2 and 3 that shard the same states (docs/presets.md): weights kept
+    # whole from a block's forward to its backward (beside stage 2), or freed and gathered again (beside stage 3).
+    "fsdp2_grad_op": ("fsdp2_grad_op", []),
+    "fsdp2": ("fsdp2", []),
     "stage3_offload": ("deepspeed_stage_3_offload", []),
     # ZeRO++ beside plain stage 3 (qwZ and qgZ use DeepSpeed's CUDA quantizer kernels; on one GPU hpZ has one device
     # per node and is off), NVMe offload (ZeRO-Infinity) into the run's temporary folder, and the bf16 optimizer

@@ -3,8 +3,10 @@
 #
 #   bash bench/gpu.sh --first-run  # GPU, < 8 min: doctor, ZeRO stages 0 and 3, a recipe run with async_save, the
 #                                  # long sequence with and without tiling, no activation checkpointing
-#   bash bench/gpu.sh              # GPU: every variant (ZeRO stages 0-3, offload, ZeRO++, FlashAttention-2 vs SDPA,
-#                                  # activation-checkpointing presets, long sequences) within 7 minutes
+#   bash bench/gpu.sh              # GPU: every variant (ZeRO stages 0-3 and their FSDP2 peers, offload, ZeRO++,
+#                                  # FlashAttention-2 vs SDPA, activation-checkpointing presets, long sequences) within
+#                                  # 7 minutes
+#   bash bench/gpu.sh --variants stage2,fsdp2_grad_op,stage3,fsdp2   # GPU: ZeRO beside FSDP2 only
 #   bash bench/gpu.sh --cpu        # no GPU: every variant on the tiny model (section "cpu-mode")
 #
 # Results go to bench/results/gpu.json after every variant, and docs/benchmarks_gpu.md is rendered from it; each

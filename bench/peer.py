@@ -4,6 +4,7 @@
     python bench/peer.py --quick     # CI: the science recipe's smoke model, Lightning, ZeRO-3 vs fsdp2, 1 rep
     python bench/peer.py --lock /tmp/zr-heavy.lock   # hold a shared machine's lock around each repetition
     python bench/peer.py --render    # rewrite docs/benchmarks.md's "peer" section from bench/results/peer.json
+    python bench/peer.py --settings  # the NLP recipe under ZeRO-3 with one DeepSpeed setting changed per run
 
 Each pair compares a ZeRO preset with the FSDP2 preset that shards the same states: ``deepspeed_stage_2`` with
 ``fsdp2_grad_op`` (weights whole between forward and backward) and ``deepspeed_stage_3`` with ``fsdp2`` (weights
@@ -18,16 +19,23 @@ one process (peak over the run, and right after the last step, before its save);
 per second (``summary.json``, median step), model-state bytes per rank (counted from the tensors rank 0 holds, with
 their breakdown), the final checkpoint's size on disk and how long its save blocked training (``metrics.jsonl``).
 The NLP recipe's samples are sequences of its ``seq_len`` tokens (its summary counts tokens), and its model-state
-bytes are counted after its first step. Communication bytes per step are not measured here (bench/communication.py
-measures ZeRO's).
+bytes are counted after its first step. Communication per step: the bytes rank 0 sends with ring algorithms, the
+median over the measured steps, from DeepSpeed's own communication log under ZeRO and from a count of the
+``torch.distributed`` collectives under FSDP2 (bench/_collective_counter.py; both sides run with both switched on).
 
 Writes bench/results/peer.json (provenance included) and renders the "peer" section of docs/benchmarks.md from it.
+
+``--settings`` asks why ZeRO-3 costs more CPU time a step than ZeRO-2 on the NLP recipe when FSDP2's ``fsdp2`` costs
+about what ``fsdp2_grad_op`` does: the recipe under ``deepspeed_stage_3`` with one of DeepSpeed's stage-3 settings
+changed (``ds_overrides=``) per run, beside ``deepspeed_stage_2`` and ``fsdp2``, interleaved the same way. It writes
+bench/results/peer_settings.json and renders the "zero3-settings" section of docs/presets.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -55,6 +63,7 @@ from bench._bench_util import (  # noqa: E402
     table_head,
     work_folder,
 )
+from bench._collective_counter import read_rank_steps, steady_sent_bytes  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 from common.rundir import free_port, read_metrics  # noqa: E402
 from common.tools.probe import last_error_line  # noqa: E402
@@ -63,15 +72,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes" / "sci
 from science_config import SMOKE_OVERRIDES as SCIENCE_SMOKE_OVERRIDES  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "peer.json"
-DOCS = {"peer": DOC}
+SETTINGS_RESULTS = REPO / "bench" / "results" / "peer_settings.json"
+DOCS = {"peer": DOC, "zero3-settings": REPO / "docs" / "presets.md"}
 # (ZeRO preset, the FSDP2 preset sharding the same model states)
 PAIRS = (("deepspeed_stage_2", "fsdp2_grad_op"), ("deepspeed_stage_3", "fsdp2"))
 FRONT_ENDS = ("lightning", "accelerate")
+# --settings: (label, preset, DeepSpeed override) on the NLP recipe; the first two and the last are the references.
+STAGE_2, STAGE_3 = "deepspeed_stage_2", "deepspeed_stage_3"
+SETTINGS = (
+    (STAGE_2, STAGE_2, None),
+    (STAGE_3, STAGE_3, None),
+    ("prefetch off", STAGE_3, "zero_optimization.stage3_prefetch_bucket_size=0"),
+    ("persistence threshold 1e6", STAGE_3, "zero_optimization.stage3_param_persistence_threshold=1000000"),
+    ("max reuse distance 0", STAGE_3, "zero_optimization.stage3_max_reuse_distance=0"),
+    ("max live parameters 1048576", STAGE_3, "zero_optimization.stage3_max_live_parameters=1048576"),
+    ("overlap_comm off", STAGE_3, "zero_optimization.overlap_comm=false"),
+    # zero.Init replaces torch.nn.functional.linear by DeepSpeed's own autograd function (process-wide), which is
+    # where py-spy finds most of a ZeRO-3 step's samples on this recipe.
+    ("memory-efficient linear off", STAGE_3, "zero_optimization.memory_efficient_linear=false"),
+    ("fsdp2", "fsdp2", None),
+)
 RECIPES = ("cv", "science", "nlp")
 LOSS_KEY = {"cv": "train_loss", "science": "train_rel_l2", "nlp": "train_loss"}
 WARMUP = 3  # optimizer steps left out of the per-step figures (first calls, allocator growth)
 POLL_S = 0.05
 MiB = 2**20
+MB = 1e6
+PROCESSES = 2
+COMMS_SITE = REPO / "bench" / "_peer_comms_site"  # its sitecustomize counts every process's collectives
 # The science recipe's smoke model (its SMOKE_OVERRIDES without the step counts, which the bench sets): what
 # --quick trains in CI.
 STEP_COUNT_KEYS = ("max_steps", "eval_interval", "checkpoint_interval")
@@ -92,15 +120,17 @@ class Run:
     checkpoint_bytes: int
     checkpoint_blocked_s: float
     final_loss: float
+    comm_bytes_per_step: float  # sent by rank 0, ring algorithms
+    comm_by_collective: dict  # the same, per collective
 
 
 def command(recipe: str, front_end: str, args: list[str]) -> list[str]:
     """The recipe's command on 2 processes, through the front-end's own launcher."""
     folder = REPO / "recipes" / recipe
     if front_end == "lightning":
-        return [sys.executable, str(folder / "train.py"), "devices=2", *args]
+        return [sys.executable, str(folder / "train.py"), f"devices={PROCESSES}", *args]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(folder / "accelerate.yaml")]
-    launch += ["--num_processes", "2", "--main_process_port", str(free_port())]
+    launch += ["--num_processes", str(PROCESSES), "--main_process_port", str(free_port())]
     return [*launch, str(folder / "train_accelerate.py"), *args]
 
 
@@ -127,6 +157,24 @@ def directory_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
+def comms_env(folder: Path) -> dict[str, str]:
+    """A run's environment with its collectives counted into ``folder`` (bench/_collective_counter.py)."""
+    env = bench_env()
+    env["ZR_PEER_COMMS"] = str(folder)
+    env["PYTHONPATH"] = os.pathsep.join([str(COMMS_SITE), env["PYTHONPATH"]])
+    return env
+
+
+def communication(folder: Path, zero: bool, steps: int) -> dict[str, float]:
+    """Rank 0's bytes sent per measured step, per collective: DeepSpeed's log for a ZeRO run, the torch count for
+    an FSDP2 run; RuntimeError when the run wrote none."""
+    source = "deepspeed" if zero else "torch"
+    logged = read_rank_steps(folder / source)
+    if not logged or len(logged) < steps:
+        raise RuntimeError(f"no {source} communication log of {steps} steps in {folder / source}")
+    return steady_sent_bytes(logged, WARMUP + 1, steps, PROCESSES)
+
+
 def run_recipe(recipe: str, front_end: str, preset: str, args: list[str], out_dir: Path, steps: int) -> Run:
     """Launch one run and sample it from outside until it ends; RuntimeError with its last error line if it fails."""
     key = LOSS_KEY[recipe]
@@ -135,7 +183,8 @@ def run_recipe(recipe: str, front_end: str, preset: str, args: list[str], out_di
     peak_rss = 0
     with tempfile.TemporaryFile("w+") as out:
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=REPO, env=bench_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
+        env = comms_env(out_dir.with_name(out_dir.name + "-comms"))
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         root = psutil.Process(proc.pid)
         try:
             while proc.poll() is None:
@@ -161,6 +210,7 @@ def run_recipe(recipe: str, front_end: str, preset: str, args: list[str], out_di
     (wall0, cpu0, _), (wall1, cpu1, post_rss) = at_step[WARMUP], at_step[steps]
     blocked = [r["checkpoint_blocked_s"] for r in records if "checkpoint_blocked_s" in r and r["step"] == steps]
     final = [r[key] for r in records if key in r and r["step"] == steps]
+    sent = communication(out_dir.with_name(out_dir.name + "-comms"), preset.startswith("deepspeed"), steps)
     return Run(
         cpu_s_per_step=(cpu1 - cpu0) / (steps - WARMUP),
         wall_s_per_step=(wall1 - wall0) / (steps - WARMUP),
@@ -173,6 +223,8 @@ def run_recipe(recipe: str, front_end: str, preset: str, args: list[str], out_di
         checkpoint_bytes=directory_bytes(out_dir / "checkpoints" / f"step_{steps:06d}"),
         checkpoint_blocked_s=blocked[0] if blocked else float("nan"),
         final_loss=final[0],
+        comm_bytes_per_step=sum(sent.values()),
+        comm_by_collective=sent,
     )
 
 
@@ -215,9 +267,39 @@ def measure_pair(
         row["runs"][preset].append(asdict(run))
         print(
             f"rep {rep} {recipe:>7} {front_end:>10} {preset:>17}: CPU {run.cpu_s_per_step * 1e3:7.1f} ms/step, "
-            f"wall {run.wall_s_per_step * 1e3:7.1f} ms/step, states {run.model_state_bytes / MiB:.2f} MiB",
+            f"wall {run.wall_s_per_step * 1e3:7.1f} ms/step, states {run.model_state_bytes / MiB:.2f} MiB, "
+            f"sent {run.comm_bytes_per_step / MB:.2f} MB/step",
             flush=True,
         )
+
+
+def measure_settings(front_ends: list[str], reps: int, steps: int, work: Path, lock: Path | None) -> list[dict]:
+    """--settings: every entry of :data:`SETTINGS` on the NLP recipe, per front-end, in an order that rotates with
+    the repetition; each repetition holds ``lock``."""
+    rows = {(front_end, label): {"runs": [], "error": None} for front_end in front_ends for label, _, _ in SETTINGS}
+    args = [f"checkpoint_interval={steps}", "log_interval=1", "eval_interval=100000"]
+    for rep in range(reps):
+        with holding(lock):
+            for front_end in front_ends:
+                for label, preset, override in rotated(SETTINGS, rep):
+                    row = rows[(front_end, label)]
+                    if row["error"]:
+                        continue
+                    out_dir = work / f"nlp-{front_end}-{label.replace(' ', '_')}-{rep}"
+                    extra = [f"ds_overrides={override}"] if override else []
+                    try:
+                        run = run_recipe("nlp", front_end, preset, [*args, *extra], out_dir, steps)
+                    except RuntimeError as err:
+                        row["error"] = str(err)
+                        print(f"rep {rep} {front_end} {label}: did not run: {err}", flush=True)
+                        continue
+                    row["runs"].append(asdict(run))
+                    print(
+                        f"rep {rep} {front_end:>10} {label:>28}: CPU {run.cpu_s_per_step * 1e3:7.1f} ms/step, "
+                        f"states {run.model_state_bytes / MiB:.2f} MiB, sent {run.comm_bytes_per_step / MB:.2f} MB",
+                        flush=True,
+                    )
+    return [{"front_end": front_end, "label": label, **row} for (front_end, label), row in rows.items()]
 
 
 # --- rendering: a pure function of the results document -------------------------------------------------------------
@@ -231,13 +313,14 @@ RATIOS = (
     ("post-step RSS", "post_step_rss_bytes"),
     ("checkpoint size", "checkpoint_bytes"),
     ("save stall", "checkpoint_blocked_s"),
+    ("communication per step", "comm_bytes_per_step"),
 )
 
 
 def ratios(row: dict, field: str) -> list[float]:
     """ZeRO / FSDP2 of ``field`` in each repetition (both sides of a repetition ran back to back)."""
     zero, fsdp2 = row["runs"][row["zero"]], row["runs"][row["fsdp2"]]
-    return [z[field] / f[field] for z, f in zip(zero, fsdp2) if f[field]]
+    return [z[field] / f[field] for z, f in zip(zero, fsdp2) if f.get(field) and field in z]
 
 
 def ratio_text(values: list[float]) -> str:
@@ -250,6 +333,8 @@ def ratio_text(values: list[float]) -> str:
 
 
 def side(runs: list[dict], field: str, scale: float = 1.0, digits: int = 1) -> str:
+    if any(field not in r for r in runs):  # a results file from before the figure was measured
+        return "-"
     return f"{median([r[field] for r in runs]) * scale:.{digits}f}"
 
 
@@ -266,6 +351,7 @@ def figures_table(rows: list[dict]) -> str:
         "post-step RSS (MiB)",
         "checkpoint (MiB)",
         "save stall (ms)",
+        "sent / step (MB)",
     )
     for row in rows:
         for preset in (row["zero"], row["fsdp2"]):
@@ -277,7 +363,7 @@ def figures_table(rows: list[dict]) -> str:
                 f"{side(runs, 'wall_s_per_step', 1e3)} | {side(runs, 'samples_per_s')} | "
                 f"{side(runs, 'model_state_bytes', 1 / MiB, 2)} | {side(runs, 'peak_rss_bytes', 1 / MiB, 0)} | "
                 f"{side(runs, 'post_step_rss_bytes', 1 / MiB, 0)} | {side(runs, 'checkpoint_bytes', 1 / MiB, 2)} | "
-                f"{side(runs, 'checkpoint_blocked_s', 1e3, 0)} |"
+                f"{side(runs, 'checkpoint_blocked_s', 1e3, 0)} | {side(runs, 'comm_bytes_per_step', 1 / MB, 2)} |"
             )
     return "\n".join(lines)
 
@@ -345,7 +431,10 @@ def sharding_cost_text(rows: list[dict]) -> str:
         return ""
     return (
         "Where the CPU time goes (medians of the table above): the part of a step that parameter sharding adds on "
-        "each side, against the stage-2 step both share.\n\n" + "\n".join(lines)
+        "each side, against the stage-2 step both share.\n\n"
+        + "\n".join(lines)
+        + "\n\nWhether one of DeepSpeed's stage-3 settings removes ZeRO's part on the NLP recipe: docs/presets.md, "
+        '"zero3-settings" (`python bench/peer.py --settings`).'
     )
 
 
@@ -374,9 +463,91 @@ def nlp_goal_text(rows: list[dict]) -> str:
     )
 
 
+def paired(runs: list[dict], other: list[dict], field: str) -> str:
+    """``field`` of ``runs`` over ``other``'s, run by run (both made side by side in each repetition)."""
+    return ratio_text([a[field] / b[field] for a, b in zip(runs, other) if b[field]])
+
+
+def settings_table(rows: list[dict]) -> str:
+    """--settings: each setting's medians, and its CPU time per step beside the ZeRO-3 preset's and FSDP2's (the
+    ratio of the runs made side by side in each repetition, median)."""
+    by_key = {(r["front_end"], r["label"]): r["runs"] for r in rows}
+    lines = table_head(
+        "front-end",
+        "setting",
+        "CPU ms / step",
+        "wall ms / step",
+        "CPU over ZeRO-2 (ms)",
+        "CPU / ZeRO-3 preset",
+        "CPU / fsdp2",
+        "model states / rank (MiB)",
+        "states / fsdp2",
+        "sent / step (MB)",
+    )
+    for row in rows:
+        runs = row["runs"]
+        if not runs:
+            continue
+        stage_2, stage_3, fsdp2 = (by_key.get((row["front_end"], k)) or [] for k in (STAGE_2, STAGE_3, "fsdp2"))
+        cpu_ms = median([r["cpu_s_per_step"] for r in runs]) * 1e3
+        over_2 = f"{cpu_ms - median([r['cpu_s_per_step'] for r in stage_2]) * 1e3:+.0f}" if stage_2 else "-"
+
+        lines.append(
+            f"| {row['front_end']} | {row['label']} | {cpu_ms:.1f} | {side(runs, 'wall_s_per_step', 1e3)} | {over_2} | "
+            f"{paired(runs, stage_3, 'cpu_s_per_step')} | {paired(runs, fsdp2, 'cpu_s_per_step')} | "
+            f"{side(runs, 'model_state_bytes', 1 / MiB, 2)} | {paired(runs, fsdp2, 'model_state_bytes')} | "
+            f"{side(runs, 'comm_bytes_per_step', 1 / MB, 2)} |"
+        )
+    return "\n".join(lines)
+
+
+def settings_verdict(rows: list[dict]) -> str:
+    """Per front-end, the ZeRO-3 setting with the lowest median CPU time, and whether it meets the NLP goal against
+    ``fsdp2`` (:data:`NLP_GOAL`, on the medians of the paired ratios)."""
+    lines = []
+    for front_end in dict.fromkeys(r["front_end"] for r in rows):
+        mine = {r["label"]: r["runs"] for r in rows if r["front_end"] == front_end and r["runs"]}
+        fsdp2 = mine.get("fsdp2")
+        tried = {label: runs for label, runs in mine.items() if label not in (STAGE_2, "fsdp2")}
+        if not (fsdp2 and tried):
+            continue
+        best = min(tried, key=lambda label: median([r["cpu_s_per_step"] for r in tried[label]]))
+        cpu, states = (
+            median([a[f] / b[f] for a, b in zip(tried[best], fsdp2) if b[f]])
+            for f in ("cpu_s_per_step", "model_state_bytes")
+        )
+        met = cpu <= NLP_GOAL["cpu_s_per_step"] and states <= NLP_GOAL["model_state_bytes"]
+        lines.append(
+            f"- {front_end}: the lowest CPU time a step among the ZeRO-3 runs is `{best}`'s: {cpu:.2f}x fsdp2's, "
+            f"model states {states:.2f}x: the NLP goal is {'met' if met else 'not met'}."
+        )
+    return "\n".join(lines)
+
+
+def render_settings(results: dict) -> str:
+    rows = results["rows"]
+    head = (
+        f"The NLP recipe's {results['model']} on {results['reps']} interleaved repetitions of {results['steps']} "
+        f"optimizer steps, 2 CPU processes (gloo), bf16, measured as in the peer benchmark (docs/benchmarks.md, "
+        f'"peer"; steps {results["warmup"] + 1}-{results["steps"]}): `preset=deepspeed_stage_3` with one DeepSpeed '
+        'setting changed per row (`ds_overrides=`), beside `deepspeed_stage_2` and `fsdp2`. "CPU over ZeRO-2" is '
+        "the part of a step that sharding the parameters adds; the ratios are those of the runs made side by side "
+        "in each repetition, median (min-max)."
+    )
+    failed = [f"- {r['front_end']}, {r['label']}: did not run: `{r['error']}`" for r in rows if r["error"]]
+    overrides = [
+        f"- {label}: `ds_overrides={s['ds_override']}`" for label, s in results["settings"].items() if s["ds_override"]
+    ]
+    body = [head, "", settings_table(rows), "", settings_verdict(rows), "", "The settings:", "", *overrides]
+    return "\n".join([*body, *([""] + failed if failed else [])])
+
+
 def render_sections(document: dict) -> dict[str, str]:
-    """The "peer" section of docs/benchmarks.md, from a peer.json document alone."""
+    """The "peer" section of docs/benchmarks.md from a peer.json document alone, or the "zero3-settings" section of
+    docs/presets.md from a peer_settings.json one."""
     results = document["results"]
+    if results.get("mode") == "settings":
+        return {"zero3-settings": render_settings(results)}
     rows = results["rows"]
     failed = [f"- {r['recipe']}, {r['front_end']}: did not run: `{r['error']}`" for r in rows if r["error"]]
     skipped = [f"- {name}: skipped: `{why}`" for name, why in results["skipped"].items()]
@@ -396,7 +567,11 @@ def render_sections(document: dict) -> dict[str, str]:
         "keeps gathered for a backward, every unit's under `fsdp2_grad_op`, count as their working copies in place "
         "of their fp32 shards); "
         "RSS the largest of one process; checkpoint: the final one on disk and how long its "
-        "save blocked training. Figures are medians over repetitions; ratios are ZeRO / FSDP2 per repetition, "
+        "save blocked training; communication: the bytes rank 0 sends per step with ring algorithms (the buffer "
+        "times (n-1)/n for an all-gather or a reduce-scatter, twice that for an all-reduce), from DeepSpeed's own "
+        "log under ZeRO and from a count of the `torch.distributed` collectives under FSDP2, steps "
+        f"{results['warmup'] + 1}-{results['steps']}. "
+        "Figures are medians over repetitions; ratios are ZeRO / FSDP2 per repetition, "
         "median (min-max): below 1.00 ZeRO is cheaper."
     )
     goal = nlp_goal_text(rows)
@@ -417,12 +592,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help=f"optimizer steps per run (more than {WARMUP + 1})")
     parser.add_argument("--work-dir", help="keep the runs' folders here (default: a temporary folder)")
     parser.add_argument("--lock", type=Path, help="a file to flock around each repetition (a shared machine's lock)")
+    parser.add_argument(
+        "--settings", action="store_true", help=f"NLP recipe, ZeRO-3 settings (default --json {SETTINGS_RESULTS.name})"
+    )
+    parser.add_argument("--front-ends", nargs="+", choices=FRONT_ENDS, default=list(FRONT_ENDS), help="with --settings")
     args = parser.parse_args()
+    if args.settings and args.json == RESULTS:
+        args.json = SETTINGS_RESULTS
     if args.render:
         render_from_file(args.json, render_sections, DOCS)
         return
     if args.steps <= WARMUP + 1 or args.reps < 1:
         parser.error(f"--steps must exceed {WARMUP + 1} (the warm-up steps and one measured step), --reps be >= 1")
+    if args.settings:
+        with work_folder(args.work_dir, "zr-peer-settings-") as work:
+            rows = measure_settings(args.front_ends, args.reps, args.steps, work, args.lock)
+        settings = {label: {"preset": preset, "ds_override": override} for label, preset, override in SETTINGS}
+        results = {"mode": "settings", "reps": args.reps, "steps": args.steps, "warmup": WARMUP}
+        results |= {"model": "default model", "settings": settings, "rows": rows}
+        save_and_publish(args, results, render_sections, DOCS)
+        print(render_settings(results))
+        return
     if args.quick:
         cases, pairs, reps, model = [("science", "lightning")], PAIRS[1:], 1, "smoke model"
     else:

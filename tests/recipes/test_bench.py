@@ -33,8 +33,8 @@ def test_gpu_driver_refuses_an_unknown_variant_with_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "error: unknown variant 'stage9' (did you mean 'stage3'?); valid: stage0, stage1, stage2, stage3, "
-        "stage3_offload, stage3_zeropp, stage3_nvme, stage2_bf16_states, sdpa, ac_none, ac_full, "
-        "ac_every_k, long, long_tiled, long_sp2, long_tiled_offload, recipe_async_save, doctor"
+        "fsdp2_grad_op, fsdp2, stage3_offload, stage3_zeropp, stage3_nvme, stage2_bf16_states, sdpa, ac_none, "
+        "ac_full, ac_every_k, long, long_tiled, long_sp2, long_tiled_offload, recipe_async_save, doctor"
     )
     assert not (tmp_path / "x.md").exists()
 
@@ -56,28 +56,32 @@ def test_gpu_script_without_a_gpu_points_to_the_cpu_mode():
 
 
 @pytest.mark.slow
-def test_gpu_script_cpu_mode_runs_offload_sequence_parallel_and_tiling_variants(tmp_path):
+def test_gpu_script_cpu_mode_runs_offload_sequence_parallel_tiling_and_fsdp2_variants(tmp_path):
     doc, results = tmp_path / "benchmarks_gpu.md", tmp_path / "gpu.json"
-    args = ["--cpu", "--variants", "stage3_offload,long_sp2,long_tiled_offload", "--doc", doc, "--json", results]
+    variants = "stage3_offload,long_sp2,long_tiled_offload,fsdp2_grad_op"
+    args = ["--cpu", "--variants", variants, "--doc", doc, "--json", results]
     run([PYTHON, "bench/gpu.py", *args], timeout=300)
     provenance, written = read_results(results)  # through write_results: provenance with the command line
     assert provenance["command"] == f"python bench/gpu.py {' '.join(map(str, args))}"
     assert written["mode"] == "cpu" and written["run"]["config"] == "recipes/nlp/configs/tiny_cpu.yaml"
     rows = written["variants"]
-    assert [r["name"] for r in rows] == ["stage3_offload", "long_sp2", "long_tiled_offload"]
+    assert [r["name"] for r in rows] == variants.split(",")
     for r in rows:
         assert "error" not in r, r
         assert r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
         assert r["mfu"] is None  # no made-up peak FLOPs on a CPU
         assert r["attention_used"] == "sdpa"
-    assert [r["stage"] for r in rows] == [3, 2, 2]
-    assert [r["activation_checkpointing"] for r in rows] == ["selective", "selective", "full"]
+    assert [r["stage"] for r in rows] == [3, 2, 2, "fsdp2_grad_op"]
+    assert [r["activation_checkpointing"] for r in rows] == ["selective", "selective", "full", "selective"]
+    # FSDP2's peer of stage 2 trains the same model (its parameters counted whole, not as this rank's shards)
+    assert rows[3]["num_params"] == rows[0]["num_params"] > 0
     assert "sequence_parallel=2" in rows[1]["overrides"]  # 2 gloo processes, Ulysses between them
     assert {"seq_len=256", "tiled_mlp_shards=8", "offload_checkpoints=true"} <= set(rows[2]["overrides"])
     assert rows[2]["checkpoint_offload_bytes"] == 0  # a CPU is host memory: nothing to move
     text = doc.read_text()
     assert "<!-- cpu-mode:start -->" in text and "CPU mode" in text
     assert "| stage3_offload | 3 | sdpa | selective |" in text and "| long_tiled_offload | 2 | sdpa | full |" in text
+    assert "| fsdp2_grad_op | fsdp2_grad_op | sdpa | selective |" in text
     # --render rebuilds the same section from the results file alone, measuring nothing
     rendered = tmp_path / "again" / "benchmarks_gpu.md"  # same name: write_section titles a new page by its name
     run([PYTHON, "bench/gpu.py", "--cpu", "--render", "--json", results, "--doc", rendered], timeout=60)
@@ -127,8 +131,8 @@ def test_checkpoint_bench_cpu_mode_writes_its_results_with_provenance(tmp_path):
 def test_peer_bench_quick_mode_measures_zero3_and_fsdp2_side_by_side(tmp_path):
     """bench/peer.py --quick: the science recipe's smoke model, Lightning, ZeRO-3 and fsdp2 back to back (two real
     2-process runs); every figure measured, and the rendered ratios are the two sides' own figures divided."""
-    results = tmp_path / "peer.json"
-    args = ["--quick", "--steps", "6", "--json", results, "--no-doc"]
+    results, work = tmp_path / "peer.json", tmp_path / "work"
+    args = ["--quick", "--steps", "6", "--json", results, "--no-doc", "--work-dir", work]
     run([PYTHON, "bench/peer.py", *args], timeout=300)
     provenance, written = read_results(results)
     assert provenance["command"] == f"python bench/peer.py {' '.join(map(str, args))}"
@@ -145,18 +149,51 @@ def test_peer_bench_quick_mode_measures_zero3_and_fsdp2_side_by_side(tmp_path):
         assert side["cpu_s_per_step"] > 0 and side["wall_s_per_step"] > 0 and side["samples_per_s"] > 0, side
         assert 0 < side["post_step_rss_bytes"] <= side["peak_rss_bytes"] and side["checkpoint_bytes"] > 0, side
         assert side["checkpoint_blocked_s"] >= 0 and side["model_state_bytes"] > 0, side
+        assert side["comm_by_collective"]["all_gather"] > 0 and side["comm_by_collective"]["reduce_scatter"] > 0, side
+    # The counter that measures FSDP2's side, checked against DeepSpeed's own log on the ZeRO run (both ran in it):
+    # the same all-gathers and reduce-scatters, byte for byte, in every measured step.
+    sys.path.insert(0, str(REPO))
+    from bench._collective_counter import read_rank_steps, steady_sent_bytes
+
+    zero_comms = work / "science-lightning-deepspeed_stage_3-0-comms"
+    logged, counted = (steady_sent_bytes(read_rank_steps(zero_comms / s), 4, 6, 2) for s in ("deepspeed", "torch"))
+    for collective in ("all_gather", "reduce_scatter"):
+        assert logged[collective] == counted[collective] == zero["comm_by_collective"][collective] > 0, counted
     # Both shard the optimizer state. Under bf16 ZeRO's optimizer holds the fp32 master weights beside Adam's m and v
     # (12 B per parameter), FSDP2's only m and v (8 B: its fp32 parameter shards are the master weights).
     optimizer_ratio = zero["model_state_breakdown"]["optimizer"] / fsdp2["model_state_breakdown"]["optimizer"]
     assert 1.45 < optimizer_ratio < 1.55, (zero, fsdp2)
-    sys.path.insert(0, str(REPO))
     from bench.peer import render_sections
 
     body = render_sections({"results": written})["peer"]
     cpu = zero["cpu_s_per_step"] / fsdp2["cpu_s_per_step"]
     states = zero["model_state_bytes"] / fsdp2["model_state_bytes"]
+    sent = zero["comm_bytes_per_step"] / fsdp2["comm_bytes_per_step"]
     assert f"| science | lightning | deepspeed_stage_3 / fsdp2 | {cpu:.2f} | " in body, body
-    assert f" | {states:.2f} | " in body.split("\n\n")[1], body
+    assert f" | {states:.2f} | " in body.split("\n\n")[1] and f" | {sent:.2f} |\n" in body.split("\n\n")[1] + "\n"
+    assert f" | {fsdp2['comm_bytes_per_step'] / 1e6:.2f} |" in body.split("\n\n")[2], body
+
+
+def test_peer_communication_counts_what_each_rank_sends_with_ring_algorithms():
+    """A logged step (DeepSpeed's message convention: an all-gather's shard, a reduce-scatter's or an all-reduce's whole
+    buffer) turned into bytes sent per rank, against the ring algorithms' arithmetic done by hand; broadcasts (start-up
+    and checkpoint traffic) left out, and the median taken over the chosen steps only."""
+    sys.path.insert(0, str(REPO))
+    from bench._collective_counter import sent_bytes_per_step, steady_sent_bytes
+
+    step = {
+        "all_gather_into_tensor": {"calls": {"100": 2}, "seconds": 0.1},  # 2 shards of 100 B: 2 buffers of 200 B
+        "reduce_scatter_tensor": {"calls": {"400": 1}, "seconds": 0.1},
+        "all_reduce": {"calls": {"8": 1}, "seconds": 0.0},
+        "broadcast": {"calls": {"1000": 3}, "seconds": 0.0},
+    }
+    # 2 ranks: each sends half of every all-gathered or reduce-scattered buffer, an all-reduce's buffer once.
+    assert sent_bytes_per_step(step, 2) == {"all_gather": 200.0, "reduce_scatter": 200.0, "all_reduce": 8.0}
+    # 4 ranks: all-gathered buffers of 400 B, 3/4 of each sent; 3/4 of the 400 B reduce-scattered; 2 x 3/4 x 8.
+    assert sent_bytes_per_step(step, 4) == {"all_gather": 600.0, "reduce_scatter": 300.0, "all_reduce": 12.0}
+    warm_up = {"all_gather": {"calls": {"100000": 1}, "seconds": 0.0}}
+    later = {"all_gather": {"calls": {"100": 4}, "seconds": 0.0}}  # 400 B sent
+    assert steady_sent_bytes([warm_up, step, step, later], 2, 4, 2)["all_gather"] == 200.0  # median of 200, 200, 400
 
 
 def test_peer_render_judges_the_nlp_goal_on_each_pairs_medians():

@@ -83,14 +83,15 @@ def bench(tmp_path: Path, variants: str, timeout_s: float, hang: str) -> Iterato
 
 @pytest.mark.slow
 def test_a_variant_past_its_limit_is_killed_with_its_workers_and_the_rows_before_it_stay(tmp_path):
-    with bench(tmp_path, "stage0,stage3", timeout_s=LIMIT_S, hang="stage3") as (proc, results):
-        # stage3 hangs: stage0's row is already in the results file, with its provenance
+    # The row before the hang is FSDP2's peer of stage 3: the same worker trains it without DeepSpeed's engine.
+    with bench(tmp_path, "fsdp2,stage3", timeout_s=LIMIT_S, hang="stage3") as (proc, results):
+        # stage3 hangs: fsdp2's row is already in the results file, with its provenance
         _, written = read_results(results)
-        assert [r["name"] for r in written["variants"]] == ["stage0"] and "error" not in written["variants"][0]
+        assert [r["name"] for r in written["variants"]] == ["fsdp2"] and "error" not in written["variants"][0]
         output = proc.communicate(timeout=START_UP_S)[0]
     assert proc.returncode == 0, output[-3000:]
-    stage0, stage3 = read_results(results)[1]["variants"]
-    assert stage0["tokens_per_s"] > 0
+    fsdp2, stage3 = read_results(results)[1]["variants"]
+    assert fsdp2["tokens_per_s"] > 0 and fsdp2["stage"] == "fsdp2" and fsdp2["peak_memory_bytes"] > 0, fsdp2
     assert stage3["error"].startswith(f"timed out after {LIMIT_S} s, every process killed; last output:"), stage3
     assert f"hanging ({HANG_ENV})" in stage3["error"]
     assert f"| stage3 | did not run: `timed out after {LIMIT_S} s" in (tmp_path / "benchmarks_gpu.md").read_text()

@@ -48,6 +48,7 @@ RESULTS_BENCH = {
     "long_context.json": "long_context.py",
     "communication.json": "communication.py",
     "peer.json": "peer.py",
+    "peer_settings.json": "peer.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 MACHINE_KEYS = ("cpu_model", "cpu_count", "memory_bytes", "disks")

@@ -1,0 +1,10 @@
+"""Imported by every Python process whose PYTHONPATH holds this folder: counts the run's collectives per optimizer
+step when ``ZR_PEER_COMMS`` names a folder (bench/_collective_counter.py says how); does nothing otherwise."""
+
+import os
+from pathlib import Path
+
+if os.environ.get("ZR_PEER_COMMS"):
+    from bench._collective_counter import setup_collective_count
+
+    setup_collective_count(Path(os.environ["ZR_PEER_COMMS"]))
