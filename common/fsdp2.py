@@ -253,13 +253,19 @@ def accelerator_fsdp2_kwargs(
 
 
 def training_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any] | None = None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any] | None = None,
+    exclude_frozen_parameters: bool = False,
 ) -> dict[str, Any]:
     """What a checkpoint holds: this rank's shards of the model and optimizer state, plus ``extra`` (step, RNG ...).
 
     Keys are the module's own parameter names (``model.layers.0.mlp.up_proj.weight``), whatever the world size.
+    ``exclude_frozen_parameters``: leave out the parameters that do not require grad (a fine-tuning run's frozen
+    base, which comes from its model folder again on resume), as DeepSpeed's option of that name does.
     """
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    options = StateDictOptions(ignore_frozen_params=exclude_frozen_parameters)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     return {"model": model_state, "optimizer": optimizer_state, "extra": dict(extra or {})}
 
 
@@ -282,6 +288,7 @@ def dcp_write(
     optimizer: torch.optim.Optimizer,
     extra: dict[str, Any] | None = None,
     async_group: Any = None,
+    exclude_frozen_parameters: bool = False,
 ) -> Callable[[Path], Any]:
     """The save call for :meth:`common.async_checkpoint.Checkpointer.save`: writes this rank's shards into a folder.
 
@@ -292,10 +299,11 @@ def dcp_write(
             (:class:`DcpAsyncCheckpointer` makes one): ``dcp.async_save``, which copies the state to host memory
             and returns a ``Future`` while a thread writes it, coordinating the ranks over that group (not over the
             training's, whose collectives run meanwhile).
+        exclude_frozen_parameters: write only the parameters that require grad (:func:`training_state`).
     """
 
     def write(folder: Path) -> Any:
-        state = training_state(model, optimizer, extra)
+        state = training_state(model, optimizer, extra, exclude_frozen_parameters)
         if async_group is None:
             return dcp.save(state, storage_writer=_storage_writer(folder))
         return dcp.async_save(state, storage_writer=_storage_writer(folder), process_group=async_group)
@@ -303,16 +311,28 @@ def dcp_write(
     return write
 
 
-def load_checkpoint(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(
+    folder: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    exclude_frozen_parameters: bool = False,
+) -> dict[str, Any]:
     """Load a DCP checkpoint into a sharded model and its optimizer, at any world size; return its ``extra``.
 
     DCP reads, for each rank, the pieces of each saved tensor that overlap the shard this rank holds now, so a
-    checkpoint written by 2 ranks loads on 1 or on 4. Every rank calls it.
+    checkpoint written by 2 ranks loads on 1 or on 4. Every rank calls it. ``exclude_frozen_parameters``: the
+    checkpoint was written without the frozen parameters (:func:`training_state`); they keep the values they have.
     """
-    state = training_state(model, optimizer)
+    state = training_state(model, optimizer, exclude_frozen_parameters=exclude_frozen_parameters)
     del state["extra"]  # DCP fills only the keys it is given, and extra's are not known here: read apart below
     dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(strict=not exclude_frozen_parameters),
+    )
     return _read_part(folder, "extra")
 
 

@@ -340,17 +340,3 @@ def get_fsdp2_preset(preset: str | dict[str, Any]) -> dict[str, Any]:
             f"valid: {', '.join(FSDP2_PRESET_NAMES)}"
         )
     return copy.deepcopy(FSDP2_PRESETS[preset])
-
-
-def refuse_fsdp2_where_not_wired(preset: str, recipe: str) -> None:
-    """Refuse an FSDP2 preset in a recipe whose training loop does not run FSDP2 yet, in one line naming the ZeRO
-    preset to use; the recipe's config, ``--describe`` and the tools accept the name all the same.
-
-    Raises:
-        ConfigError: ``preset`` is an FSDP2 preset.
-    """
-    if is_fsdp2_name(preset):
-        raise ConfigError(
-            f"preset={preset} runs on FSDP2, which the {recipe} recipe does not run yet (the cv and science recipes "
-            f"do): use preset={FSDP2_PRESETS[preset]['counterpart']}, its ZeRO counterpart"
-        )

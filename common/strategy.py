@@ -736,6 +736,8 @@ class AccelerateCheckpointIO:
         ds_config: the factory's resolved config.
         model, optimizer: as ``accelerator.prepare`` returned them.
         scheduler: the learning-rate scheduler (registered for checkpointing under ZeRO).
+        exclude_frozen_parameters: leave the parameters that do not require grad out of the checkpoint (a
+            fine-tuning run's frozen base, loaded from its model folder again on resume), under either engine.
     """
 
     accelerator: Any
@@ -743,16 +745,19 @@ class AccelerateCheckpointIO:
     model: Any
     optimizer: Any
     scheduler: Any
+    exclude_frozen_parameters: bool = False
 
     def save(self, folder: Path) -> Any:
         """Every rank: write the training state into ``folder`` (the call :class:`~common.async_checkpoint.Checkpointer`
         makes)."""
         if not is_fsdp2(self.ds_config):
-            return self.accelerator.save_state(str(folder))
+            frozen_left_out = {"exclude_frozen_parameters": True} if self.exclude_frozen_parameters else {}
+            return self.accelerator.save_state(str(folder), **frozen_left_out)
         from common.fsdp2 import dcp_write
 
         extra = {"scheduler": self.scheduler.state_dict()}
-        return dcp_write(self.model, _torch_optimizer(self.optimizer), extra)(folder)
+        optimizer = _torch_optimizer(self.optimizer)
+        return dcp_write(self.model, optimizer, extra, exclude_frozen_parameters=self.exclude_frozen_parameters)(folder)
 
     def barrier(self) -> None:
         """Every rank waits for the others (the checkpointer's barrier): the process group's own
@@ -763,11 +768,14 @@ class AccelerateCheckpointIO:
     def load(self, folder: Path) -> None:
         """Every rank: load the training state saved in ``folder``, re-sharded for this world size under FSDP2."""
         if not is_fsdp2(self.ds_config):
-            self.accelerator.load_state(str(folder))
+            # A checkpoint without the frozen parameters loads into the model that holds them already.
+            frozen_left_out = {"load_module_strict": False} if self.exclude_frozen_parameters else {}
+            self.accelerator.load_state(str(folder), **frozen_left_out)
             return
         from common.fsdp2 import load_checkpoint
 
-        extra = load_checkpoint(folder, self.model, _torch_optimizer(self.optimizer))
+        optimizer = _torch_optimizer(self.optimizer)
+        extra = load_checkpoint(folder, self.model, optimizer, self.exclude_frozen_parameters)
         self.scheduler.load_state_dict(extra["scheduler"])
 
 

@@ -7,6 +7,7 @@ Launch, from the repository root:
     python recipes/nlp/finetune.py model=path/to/hf_folder data=my_data.jsonl devices=1   # 1 GPU
     python recipes/nlp/finetune.py model=path/to/hf_folder data=my_data.jsonl devices=8   # 8 GPUs
     python recipes/nlp/finetune.py devices=2 sequence_parallel=2 preset=deepspeed_stage_2  # each example split in 2
+    python recipes/nlp/finetune.py preset=fsdp2      # PyTorch FSDP2 instead of DeepSpeed (fsdp2_grad_op: ZeRO-2's peer)
     # multi-node: the same command on every node, with num_nodes=N and MASTER_ADDR, MASTER_PORT, NODE_RANK set
     accelerate launch --config_file recipes/nlp/accelerate_finetune.yaml recipes/nlp/finetune_accelerate.py  # same
 
@@ -80,7 +81,6 @@ from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
 from common.metrics import Clock, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
-from common.presets import refuse_fsdp2_where_not_wired
 from common.process_setup import setup_process
 from common.rundir import (
     MetricsLog,
@@ -90,7 +90,14 @@ from common.rundir import (
     set_cpu_threads,
 )
 from common.sequence_parallel import SequenceParallel
-from common.strategy import lightning_trainer_kwargs, make_optimizer, zero_stage
+from common.strategy import (
+    gradient_norm,
+    is_fsdp2,
+    lightning_trainer_kwargs,
+    make_optimizer,
+    shard_model,
+    zero_stage,
+)
 from nlp.data import DataError
 from nlp.lora import trainable_parameter_shapes
 from nlp.model import ModelError
@@ -129,16 +136,32 @@ class LoRAFinetune(L.LightningModule):
         self.state_bytes: dict[str, int] = {}  # model states measured after the first step
         self.summary: FinetuneSummary | None = None  # set on rank 0 in on_train_end; main() writes it
         self.sp: SequenceParallel | None = None  # this rank's sequence-parallel group, once DeepSpeed has built it
+        self.step_norm: torch.Tensor | None = None  # FSDP2: the last step's gradient norm before clipping
 
     def configure_model(self) -> None:
         # Lightning runs this inside deepspeed.zero.Init under stage 3, and the strategy keeps an HfDeepSpeedConfig
-        # alive (common/lightning_cpu.py): from_pretrained loads each base weight already sharded.
+        # alive (common/lightning_cpu.py): from_pretrained loads each base weight already sharded. Under an FSDP2
+        # preset the model is built whole, then each decoder layer and the root are sharded (shard_model).
         if self.model is None:
             self.model = build_lora_model(self.cfg, self.attention, self.module_names)
+            mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None
+            shard_model(self.model, self.ds_config, mesh)  # FSDP2 presets only (ZeRO: DeepSpeed's, above)
             if self.cfg.sequence_parallel > 1:  # Ulysses: attention rerouted, and the groups for deepspeed.initialize
                 self.trainer.strategy.mpu = sequence_parallel.register(
                     self.model, self.cfg.sequence_parallel, self.cfg.micro_batch_size, self.attention
                 )
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        """What a checkpoint holds of the model: the adapters, not the frozen base (it comes from model= on resume).
+
+        Lightning's FSDP2 strategy saves what this returns and, on resume, loads the keys it returns (DCP reads the
+        keys it is given); DeepSpeed's strategy saves from its engine and is told apart (exclude_frozen_parameters).
+        """
+        state = super().state_dict(*args, **kwargs)
+        for name, param in self.named_parameters():
+            if not param.requires_grad:
+                state.pop(name, None)
+        return state
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         dp_rank, dp_size = data_parallel(self.cfg, self.global_rank, self.trainer.world_size)
@@ -158,10 +181,15 @@ class LoRAFinetune(L.LightningModule):
         self.loss_sums.append(sums)  # detached: reading it (.item()) would wait for the device
         return loss
 
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """FSDP2 presets: the gradient norm before the clipping Lightning does next (and whose norm it discards), for
+        the log. ZeRO presets: nothing (DeepSpeed clips in its step and keeps the norm)."""
+        self.step_norm = gradient_norm(self, self.ds_config)
+
     def on_train_start(self) -> None:
         cfg, strategy = self.cfg, self.trainer.strategy
         self.checkpointer = make_checkpointer(cfg, self.global_rank, self.trainer.world_size, strategy.barrier)
-        self.checkpointer.install(strategy.deepspeed_engine)  # async_save: DeepSpeed's files go through it
+        self.checkpointer.install(strategy.model)  # async_save: the backend's checkpoint files go through it
         self.sp = sequence_parallel.this_rank(cfg.sequence_parallel, zero_stage(self.ds_config))
         # Held-out batches are whole sequences on every rank (Ulysses is off in eval mode): split over all ranks.
         self.val_batches = val_batches(self.data, self.cfg, self.global_rank, self.trainer.world_size)
@@ -176,14 +204,14 @@ class LoRAFinetune(L.LightningModule):
         self.clock.step_done()
         sums, self.loss_sums = self.loss_sums, []
         if step == self.start_step + 1:
-            self.state_bytes = model_state_bytes(self.trainer.strategy.model)
+            self.state_bytes = model_state_bytes(self.trainer.strategy.model, self.trainer.optimizers[0])
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
             loss = step_token_mean(sums)
             self.log_file.log(
                 step,
                 train_loss=loss,
-                grad_norm=grad_norm(self.trainer.strategy.deepspeed_engine),
+                grad_norm=grad_norm(self.trainer.strategy.model, self.step_norm),
                 lr=cfg.lr * lr_lambda(cfg)(step - 1),
                 elapsed_s=self.clock.wall(),
             )
@@ -269,7 +297,6 @@ def main() -> None:
     data = load_sft_data(cfg, tokenizer)
     module_names = base_module_names(cfg, config)
     attention = resolve_attention_or_exit(cfg, "cuda" if on_gpu else "cpu")
-    refuse_fsdp2_where_not_wired(cfg.preset, "finetune")
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
     check_sequence_parallel(cfg, world_size, config, attention)
     # Known ZeRO pitfalls (common.lint), checked before any work (printed on rank 0; errors refuse the run).
@@ -290,7 +317,8 @@ def main() -> None:
     module = LoRAFinetune(cfg, data, ds_config, attention, module_names, base_val_accuracy, base, start_step, clock)
     setup_process(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     trainer_kwargs = lightning_trainer_kwargs(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))
-    trainer_kwargs["strategy"].exclude_frozen_parameters = True  # the frozen base is model=, not checkpoint state
+    if not is_fsdp2(ds_config):  # the frozen base is model=, not checkpoint state (FSDP2: state_dict above)
+        trainer_kwargs["strategy"].exclude_frozen_parameters = True
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=devices,

@@ -8,6 +8,8 @@ Launch, from the repository root:
         recipes/nlp/finetune_accelerate.py model=path/to/hf_folder data=my_data.jsonl                       # 8 GPUs
     accelerate launch --config_file recipes/nlp/accelerate_finetune.yaml recipes/nlp/finetune_accelerate.py \\
         sequence_parallel=2                                       # Ulysses: each example split over the 2 processes
+    accelerate launch --config_file recipes/nlp/accelerate_finetune.yaml recipes/nlp/finetune_accelerate.py \\
+        preset=fsdp2                                              # PyTorch FSDP2 instead of DeepSpeed, same launcher
     # multi-node: add --num_machines N --machine_rank R --main_process_ip HOST on every node
 
 ``accelerate_finetune.yaml`` + ``ds_config_finetune.json`` are the factory's output for the default config on 2
@@ -21,6 +23,7 @@ import os
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -64,12 +67,18 @@ from common.checkpoint import (
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
-from common.metrics import Clock, grad_norm
+from common.metrics import Clock, barrier, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
-from common.presets import refuse_fsdp2_where_not_wired
 from common.process_setup import setup_process
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads
-from common.strategy import accelerator_kwargs, make_optimizer, zero_stage
+from common.strategy import (
+    AccelerateCheckpointIO,
+    accelerator_kwargs,
+    gradient_norm,
+    make_optimizer,
+    shard_model,
+    zero_stage,
+)
 from nlp.data import DataError
 from nlp.lora import trainable_parameter_shapes
 from nlp.model import ModelError
@@ -77,13 +86,14 @@ from nlp.model import ModelError
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated", category=FutureWarning)
 
 
-def write_checkpoint(accelerator: Accelerator, folder: Path, base: dict) -> None:
-    """Every rank writes its shards (adapters and their optimizer state, no frozen weights); rank 0 adds the base's
-    reference (its files' hashes) first: DeepSpeed's save opens with a barrier, so with async_save no rank's writer
-    thread lists the folder (to fsync it) while the reference's temporary file is there."""
-    if accelerator.is_main_process:
+def write_checkpoint(state: AccelerateCheckpointIO, folder: Path, base: dict) -> Any:
+    """Every rank writes its shards (adapters and their optimizer state, no frozen weights: DeepSpeed's or DCP's);
+    rank 0 adds the base's reference (its files' hashes) first: DeepSpeed's save opens with a barrier, so with
+    async_save no rank's writer thread lists the folder (to fsync it) while the reference's temporary file is there.
+    Returns what the save returns (DCP's future under an asynchronous FSDP2 save)."""
+    if state.accelerator.is_main_process:
         write_base_reference(folder, base)
-    accelerator.save_state(str(folder), exclude_frozen_parameters=True)
+    return state.save(folder)
 
 
 @exit_on_user_error(DataError, ModelError)
@@ -108,7 +118,6 @@ def main() -> None:
     data = load_sft_data(cfg, tokenizer)
     module_names = base_module_names(cfg, config)
     attention = resolve_attention_or_exit(cfg, "cuda" if on_gpu else "cpu")
-    refuse_fsdp2_where_not_wired(cfg.preset, "finetune")
     ds_config = resolve_ds_config(cfg, world_size, config.hidden_size)
     check_sequence_parallel(cfg, world_size, config, attention)
     # Known ZeRO pitfalls (common.lint), checked before any work (printed on rank 0; errors refuse the run).
@@ -121,7 +130,8 @@ def main() -> None:
         base_val_accuracy = score(load_plain(cfg, attention), tokenizer, data.val, cfg)
         print(f"base model exact match on the held-out set: {base_val_accuracy:.3f}", flush=True)
 
-    # --- DeepSpeed through Accelerate; ZeRO-3's partitioned construction is on from here ---
+    # --- DeepSpeed through Accelerate; ZeRO-3's partitioned construction is on from here (FSDP2 presets: the
+    # model is built whole, then each decoder layer and the root sharded by shard_model) ---
     setup_process(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))  # process-wide: printed once
     accelerator_args = accelerator_kwargs(ds_config, timeout=timedelta(seconds=cfg.collective_timeout_s))
     if cfg.sequence_parallel > 1:  # Ulysses: prepare() routes attention through it and gives DeepSpeed the groups
@@ -131,6 +141,7 @@ def main() -> None:
     accelerator = Accelerator(**accelerator_args)
     rank, device, main_process = accelerator.process_index, accelerator.device, accelerator.is_main_process
     model = build_lora_model(cfg, attention, module_names)
+    shard_model(model, ds_config)  # FSDP2 presets only (ZeRO: DeepSpeed's, in prepare)
     optimizer = make_optimizer(
         lora_param_groups(model, cfg.weight_decay), ds_config, lr=cfg.lr, weight_decay=cfg.weight_decay
     )
@@ -138,15 +149,18 @@ def main() -> None:
     engine, optimizer = accelerator.prepare(model, optimizer)
     sp = sequence_parallel.this_rank(cfg.sequence_parallel, zero_stage(ds_config))  # None unless sequence parallel
     accelerator.register_for_checkpointing(scheduler)
-    checkpointer = make_checkpointer(cfg, rank, world_size, accelerator.wait_for_everyone)
-    checkpointer.install(engine)  # async_save: DeepSpeed's files go through it
+    net = accelerator.unwrap_model(engine)  # the peft model (DeepSpeed's engine.module; FSDP2: the model)
+    # DeepSpeed's save_state, or DCP under FSDP2; the frozen base left out (it is model= again on resume).
+    state = AccelerateCheckpointIO(accelerator, ds_config, engine, optimizer, scheduler, exclude_frozen_parameters=True)
+    checkpointer = make_checkpointer(cfg, rank, world_size, state.barrier)
+    checkpointer.install(engine)  # async_save: the backend's checkpoint files go through it
 
     start_step = 0
     if cfg.resume:
         latest = latest_checkpoint(out_dir)
         if latest is None:
             raise ConfigError(f"resume=true but {out_dir}/{CHECKPOINTS} holds no complete checkpoint")
-        accelerator.load_state(str(latest), load_module_strict=False)  # the frozen base comes from model=
+        state.load(latest)  # the adapters and their optimizer state; the frozen base comes from model=
         start_step = checkpoint_step(latest)
         accelerator.print(f"resumed from {latest} (step {start_step})")
     # The ranks of a sequence-parallel group read the same examples; held-out batches are whole sequences on every
@@ -167,7 +181,7 @@ def main() -> None:
     # --- training ---
     val_loss = run_eval(0) if start_step == 0 else float("nan")
     engine.train()
-    step, loss_sums, state_bytes = start_step, [], {}
+    step, loss_sums, state_bytes, step_norm = start_step, [], {}, None
     clock.skip()
     for batch in loader:
         # The step's token mean (finetune_loss.loss_scale): the global batch's response tokens, known from the data.
@@ -175,6 +189,8 @@ def main() -> None:
         with accelerator.accumulate(engine):
             loss, sums = train_loss(engine, batch, device, scale, sp)
             accelerator.backward(loss)
+            if accelerator.sync_gradients:  # FSDP2 clips here and returns the norm; DeepSpeed, in its step (None)
+                step_norm = gradient_norm(engine, ds_config, clip=True)
             optimizer.step()
             optimizer.zero_grad()
         loss_sums.append(sums)  # detached [summed loss, tokens]: reading it would wait for the device
@@ -186,7 +202,7 @@ def main() -> None:
         sums, loss_sums = loss_sums, []
         bar.update(1)
         if step == start_step + 1:
-            state_bytes = model_state_bytes(engine)
+            state_bytes = model_state_bytes(engine, optimizer)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             # Only on logging steps: the all-reduce and .item() are a collective and a host sync.
             mean_loss = step_token_mean(sums)
@@ -194,7 +210,7 @@ def main() -> None:
             log.log(
                 step,
                 train_loss=mean_loss,
-                grad_norm=grad_norm(engine),
+                grad_norm=grad_norm(engine, step_norm),
                 lr=cfg.lr * lr_lambda(cfg)(step - 1),
                 elapsed_s=clock.wall(),
             )
@@ -202,7 +218,7 @@ def main() -> None:
             val_loss = run_eval(step)
             engine.train()
         if step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
-            checkpointer.save(step, lambda folder: write_checkpoint(accelerator, folder, base))  # rank 0 publishes
+            checkpointer.save(step, lambda folder: write_checkpoint(state, folder, base))  # rank 0 publishes
             log.log(step, checkpoint_blocked_s=checkpointer.blocked_s[-1])
         clock.skip()
     bar.close()
@@ -213,15 +229,15 @@ def main() -> None:
         sequence_parallel.unregister(attention)  # the export runs (and generates) with the attention mask
     engine.eval()
     logits = batch_logits(engine, data.fixed_batch, device)
-    shapes = trainable_parameter_shapes(engine.module)
-    state = gather_full_state_dict(engine.module, rank)
+    shapes = trainable_parameter_shapes(net)
+    weights = gather_full_state_dict(net, rank)
     peak = peak_memory_over_ranks(device)
     if main_process:
-        export = final_export(cfg, engine.module, state, shapes, data, logits.cpu(), attention)
+        export = final_export(cfg, net, weights, shapes, data, logits.cpu(), attention)
         summary = make_summary(
             cfg,
             ds_config,
-            engine.module,
+            net,
             data,
             export,
             backend="accelerate",
@@ -237,7 +253,7 @@ def main() -> None:
         )
         write_summary(out_dir, summary)
     log.close()
-    accelerator.wait_for_everyone()
+    barrier()  # the process group's: accelerator.wait_for_everyone returns at once under FSDP2 on a CPU
     accelerator.end_training()
 
 

@@ -62,11 +62,12 @@ def loss_scale(cfg: FinetuneConfig, dp_size: int, global_tokens: int) -> float:
 
     The training loss is the step's token mean: the summed response-token loss of the whole global batch (every
     micro-batch, every data-parallel rank, every sequence-parallel slice) over that batch's ``global_tokens``
-    (:func:`global_batch_tokens`). DeepSpeed divides each back-propagated loss by ``grad_accum`` and averages the
-    ``dp_size`` ranks' gradients (micro-batches and ranks with equal weight), so the scale carries both factors
-    back. A mean per micro-batch instead would weigh a token of a short batch more than one of a long batch: the
-    gradient would change with how the global batch is cut into micro-batches and ranks (the gradient-accumulation
-    loss bug transformers fixed in 2024 with ``num_items_in_batch``).
+    (:func:`global_batch_tokens`). Each back-propagated loss is divided by ``grad_accum`` once (by DeepSpeed's
+    engine under ZeRO; by Lightning's or Accelerate's loop under FSDP2) and the ``dp_size`` ranks' gradients are
+    averaged (micro-batches and ranks with equal weight), so the scale carries both factors back. A mean per
+    micro-batch instead would weigh a token of a short batch more than one of a long batch: the gradient would change
+    with how the global batch is cut into micro-batches and ranks (the gradient-accumulation loss bug transformers
+    fixed in 2024 with ``num_items_in_batch``).
     """
     return cfg.grad_accum * dp_size / max(global_tokens, 1)
 

@@ -34,6 +34,7 @@ from common.describe import RecipeDescription, local_world
 from common.errors import ConfigError, InputMissing
 from common.memory_formulas import facts_from_model_config
 from common.metrics import all_reduce, memory_kind, peak_memory_bytes, throughput
+from common.presets import is_fsdp2_name
 from common.rundir import env_info, read_metrics, summary_fields, write_json_atomic, write_text_atomic
 from common.strategy import (
     RunFacts,
@@ -287,12 +288,12 @@ def build_lora_model(cfg: FinetuneConfig, attention: str, module_names: list[str
     matrices are created outside ``zero.Init``: peft rebuilds them as new parameters after creation, which inside
     it leaves plain, empty ``[0]`` tensors that DeepSpeed no longer knows are partitioned. Created whole, they are
     cast to the training dtype (peft takes the fp32 of the base's empty placeholders), and
-    ``deepspeed.initialize`` partitions them.
+    ``deepspeed.initialize`` partitions them. Under an FSDP2 preset the model is built whole on every rank, and the
+    caller shards each decoder layer and the root (``common.strategy.shard_model``) before the optimizer sees it.
     """
     # Imported here, not at the top: importing deepspeed prints a line on stdout, which --describe keeps for JSON.
     from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
 
-    torch.manual_seed(cfg.seed)  # LoRA's A matrices are random: the same on every rank and on both backends
     base = load_pretrained(cfg.pretrained, torch.float32, attention, cfg.trust_remote_code)
     base.config.use_cache = False  # training: no KV cache
     if cfg.activation_checkpointing != "none":
@@ -302,19 +303,37 @@ def build_lora_model(cfg: FinetuneConfig, attention: str, module_names: list[str
         )
         print(report.summary())
     shutdown_init_context()  # a no-op outside zero.Init
+    # LoRA's A matrices are random: the same on every rank, on both backends and under every preset (seeded here,
+    # after the base's load, whose random stream use differs inside and outside zero.Init).
+    torch.manual_seed(cfg.seed)
     try:
         model = get_peft_model(
             base, lora_config(cfg.lora_targets, module_names, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
         )
     finally:
         restore_init_context()
-    for param in model.parameters():
-        if param.requires_grad:
-            param.data = param.data.to(torch_dtype(cfg.precision))
+    cast_for_engine(model, cfg.precision, fsdp2=is_fsdp2_name(cfg.preset))
     if cfg.activation_checkpointing != "none":
         # Reentrant checkpointing needs an input that requires grad; with the embeddings frozen, make one.
         model.enable_input_require_grads()
     return model
+
+
+def cast_for_engine(model: torch.nn.Module, precision: str, fsdp2: bool) -> None:
+    """Each parameter in the dtype its engine keeps it in.
+
+    ZeRO: the adapters in the training dtype (DeepSpeed's engine holds 16-bit weights and keeps the fp32 master
+    copy itself); the frozen base was cast by ``zero.Init`` or is cast by the engine. FSDP2: the adapters stay fp32,
+    the master weights the optimizer updates (FSDP2's policy casts them to bf16 as it gathers them), and the frozen
+    base, which no optimizer updates, is held in the training dtype as ZeRO holds it: half the bytes of fp32 under
+    bf16, and the same compute (FSDP2 gathers it in bf16 either way). FSDP2 allows frozen and trainable parameters,
+    of different dtypes, in one sharded block: only the trainable ones must share a dtype.
+    """
+    dtype = torch_dtype(precision)
+    for param in model.parameters():
+        cast = not param.requires_grad if fsdp2 else param.requires_grad
+        if cast:
+            param.data = param.data.to(dtype)
 
 
 def lora_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -520,7 +539,9 @@ def make_summary(
         wall_time_s=wall_time_s,
         preset=cfg.preset,
         zero_stage=zero_stage(ds_config),
-        stage3_param_persistence_threshold=ds_config["zero_optimization"].get("stage3_param_persistence_threshold"),
+        stage3_param_persistence_threshold=ds_config.get("zero_optimization", {}).get(  # FSDP2: no such section
+            "stage3_param_persistence_threshold"
+        ),
         world_size=world_size,
         sequence_parallel=cfg.sequence_parallel,
         attention=attention,
