@@ -217,3 +217,27 @@ def test_peer_render_judges_the_nlp_goal_on_each_pairs_medians():
     assert "- lightning, z / f: CPU time 1.00x, model states 1.10x: met." in text, text
     assert "- accelerate, z / f: CPU time 1.02x, model states 1.00x: not met." in text, text
     assert "2.00x" not in text and nlp_goal_text([row("cv", "lightning", [2.0], [300])]) == ""
+
+
+def test_peer_names_a_zero_preset_whose_bytes_differ_between_front_ends():
+    """A ZeRO preset sending different bytes a step on the two front-ends of one recipe is named with both medians;
+    equal bytes (within 1 %) and a front-end alone are not."""
+    sys.path.insert(0, str(REPO))
+    from bench.peer import front_end_traffic_text
+
+    def row(recipe, front_end, sent):
+        return {"recipe": recipe, "front_end": front_end, "zero": "z", "fsdp2": "f",
+                "runs": {"z": [{"comm_bytes_per_step": b} for b in sent], "f": [{}]}}  # fmt: skip
+
+    text = front_end_traffic_text(
+        [
+            row("nlp", "lightning", [10e6, 10e6]),
+            row("nlp", "accelerate", [15e6, 16e6, 17e6]),  # median 16 MB
+            row("cv", "lightning", [1e6]),
+            row("cv", "accelerate", [1.005e6]),  # within 1 %
+            row("science", "lightning", [3e6]),  # no accelerate row
+        ]
+    )
+    assert "- nlp, z: the accelerate run sends 16.00 MB a step, the lightning run 10.00 MB" in text, text
+    assert "cv" not in text and "science" not in text
+    assert front_end_traffic_text([row("cv", "lightning", [1e6]), row("cv", "accelerate", [1e6])]) == ""
