@@ -454,13 +454,18 @@ def front_end_traffic_text(rows: list[dict], tolerance: float = 0.01) -> str:
             more, less = sorted(by_front_end, key=by_front_end.get, reverse=True)
             lines.append(
                 f"- {recipe}, {preset}: the {more} run sends {by_front_end[more] / MB:.2f} MB a step, the {less} run "
-                f"{by_front_end[less] / MB:.2f} MB, with the same DeepSpeed config. Not explained yet: the difference "
-                f"is in the front-end's loop, not in the preset."
+                f"{by_front_end[less] / MB:.2f} MB, with the same DeepSpeed config: the front-end's loop, not the "
+                f"preset, makes the difference."
             )
     if not lines:
         return ""
-    return "The same ZeRO preset moving different bytes on the two front-ends (medians of the table above):\n\n" + (
-        "\n".join(lines)
+    return (
+        "The same ZeRO preset moving different bytes on the two front-ends (medians of the table above):\n\n"
+        + "\n".join(lines)
+        + "\n\nFound on the NLP recipe's stage-3 runs after this measurement: the Accelerate loop's evaluation before "
+        "its first step left ZeRO-3 releasing every parameter after its forward use and gathering it again for the "
+        "backward pass, step after step (docs/troubleshooting.md). The loop now resets ZeRO-3's trace after that "
+        "evaluation; a rerun of this bench measures the pair without it."
     )
 
 

@@ -79,6 +79,7 @@ from common.strategy import (
     shard_model,
     zero_stage,
 )
+from common.zero3_trace import retrace_after_evaluation
 from nlp.data import DataError
 from nlp.lora import trainable_parameter_shapes
 from nlp.model import ModelError
@@ -180,6 +181,7 @@ def main() -> None:
 
     # --- training ---
     val_loss = run_eval(0) if start_step == 0 else float("nan")
+    retrace_after_evaluation(engine)  # ZeRO-3 would keep the evaluation's release decisions
     engine.train()
     step, loss_sums, state_bytes, step_norm = start_step, [], {}, None
     clock.skip()

@@ -75,6 +75,7 @@ from common.strategy import (
     torch_dtype,
     zero_stage,
 )
+from common.zero3_trace import retrace_after_evaluation
 from nlp.data import DataError
 from nlp.model import ModelError, resolve_attention
 
@@ -174,6 +175,7 @@ def main() -> None:
     tokens_per_step = tokens_per_rank_step(cfg, layout)  # per device
     if start_step == 0:
         run.val_loss = run_eval(0)
+        retrace_after_evaluation(engine)  # ZeRO-3 would keep the evaluation's release decisions
     engine.train()
     step, losses, aux_losses, step_norm = start_step, [], [], None
     clock.skip()

@@ -101,3 +101,25 @@ def test_finetune_summary_logs_communication_on_accelerate(tmp_path):
     trainable = lora_elements(hidden=64, intermediate=128, layers=2, rank=4)
     assert summary["trainable_params"] == trainable
     check_zero2_communication(summary, trainable=trainable)
+
+
+@pytest.mark.slow
+def test_nlp_zero3_on_accelerate_gathers_each_parameter_once_a_step_after_the_first_evaluation(tmp_path):
+    """The Accelerate loop evaluates before its first training step. ZeRO-3 would keep the release decisions of that
+    forward-only pass (every parameter released after its forward use) and gather every parameter again for the
+    backward pass on every later step; after ``common.zero3_trace.retrace_after_evaluation`` a step gathers the
+    parameters once and keeps them for the backward pass, as the planner plans (this model is under the live bound)."""
+    out_dir = tmp_path / "nlp_zero3"
+    small = ["hidden_size=64", "intermediate_size=128", "num_layers=1", "num_heads=4", "vocab_size=512"]
+    steps = [f"max_steps={STEPS}", f"eval_interval={STEPS}", f"checkpoint_interval={STEPS}", "log_interval=1"]
+    batch = ["seq_len=32", "micro_batch_size=2", "max_train_tokens=20000", "max_val_tokens=512", "sample_tokens=2"]
+    zero3 = ["preset=deepspeed_stage_3", "precision=bf16", "grad_accum=1", COMMS_LOG]
+    recipe = REPO / "recipes" / "nlp"
+    args = [f"out_dir={out_dir}", *small, *steps, *batch, *zero3]
+    accelerate_launch(recipe / "train_accelerate.py", args, recipe / "accelerate.yaml", num_processes=2, timeout=600)
+    logged = read_json(out_dir / "summary.json")["communication"]["collectives"]
+    gathered = logged["all_gather"]["logged_bytes"]
+    # At most this rank's half of every 2-byte parameter once (persistent ones are not gathered at all).
+    assert gathered <= 2 * exported_elements(out_dir / "final") / 2 + SCALARS_AND_PADDING, logged
+    for name in ("all_gather", "reduce_scatter"):
+        assert logged[name]["planned_bytes"] == pytest.approx(logged[name]["logged_bytes"], abs=SCALARS_AND_PADDING)
