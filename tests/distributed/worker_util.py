@@ -7,6 +7,7 @@ their folder is on ``sys.path`` and they import this module by its bare name.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable
@@ -60,10 +61,15 @@ def run_then_exit(main: Callable[[], None]) -> NoReturn:
     A worker's records are written when ``main`` returns; what remains is tearing down objects torch and DeepSpeed
     keep in module globals (DeepSpeed's process-group tables, gloo's work queues). Done by a finalizing interpreter,
     that teardown aborted a rank in CI after its records were written ("terminate called without an active
-    exception", SIGABRT, twice in stage-3 runs; destroying the process group first did not prevent it), and the test
-    failed for nothing it checks. An exception from ``main`` still ends the process as usual: traceback, exit code 1.
+    exception", SIGABRT, twice in stage-3 runs; destroying the process group first did not prevent it; ZenFlow's
+    one-process run later failed its test the same way, its record written), and the test failed for nothing it
+    checks. An exception from ``main`` still ends the process as usual: traceback, exit code 1.
     """
     main()
+    # Interpreter exit would end the daemon processes a library started (ZenFlow's optimizer process); so does this.
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=30)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

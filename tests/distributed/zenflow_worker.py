@@ -14,6 +14,7 @@ from pathlib import Path
 import deepspeed
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
+from worker_util import run_then_exit
 
 STEPS = 6
 
@@ -49,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # ZenFlow's optimizer process and gloo end without the interpreter's teardown
