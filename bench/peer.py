@@ -462,10 +462,8 @@ def front_end_traffic_text(rows: list[dict], tolerance: float = 0.01) -> str:
     return (
         "The same ZeRO preset moving different bytes on the two front-ends (medians of the table above):\n\n"
         + "\n".join(lines)
-        + "\n\nFound on the NLP recipe's stage-3 runs after this measurement: the Accelerate loop's evaluation before "
-        "its first step left ZeRO-3 releasing every parameter after its forward use and gathering it again for the "
-        "backward pass, step after step (docs/troubleshooting.md). The loop now resets ZeRO-3's trace after that "
-        "evaluation; a rerun of this bench measures the pair without it."
+        + "\n\nThe front-end that sends more does work the other skips: under ZeRO-3, look first for an evaluation "
+        'before the first training step (docs/troubleshooting.md, "ZeRO-3 gathers every parameter twice a step").'
     )
 
 

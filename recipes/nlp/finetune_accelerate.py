@@ -180,8 +180,10 @@ def main() -> None:
         return val_loss
 
     # --- training ---
-    val_loss = run_eval(0) if start_step == 0 else float("nan")
-    retrace_after_evaluation(engine)  # ZeRO-3 would keep the evaluation's release decisions
+    val_loss = float("nan")
+    if start_step == 0:
+        val_loss = run_eval(0)
+        retrace_after_evaluation(engine)  # ZeRO-3 would keep the evaluation's release decisions
     engine.train()
     step, loss_sums, state_bytes, step_norm = start_step, [], {}, None
     clock.skip()
