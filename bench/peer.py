@@ -5,6 +5,7 @@
     python bench/peer.py --lock /tmp/zr-heavy.lock   # hold a shared machine's lock around each repetition
     python bench/peer.py --render    # rewrite docs/benchmarks.md's "peer" section from bench/results/peer.json
     python bench/peer.py --settings  # the NLP recipe under ZeRO-3 with one DeepSpeed setting changed per run
+    python bench/peer.py --model 125m  # the NLP recipe's 125M config (bench/results/peer_125m.json), both front-ends
 
 Each pair compares a ZeRO preset with the FSDP2 preset that shards the same states: ``deepspeed_stage_2`` with
 ``fsdp2_grad_op`` (weights whole between forward and backward) and ``deepspeed_stage_3`` with ``fsdp2`` (weights
@@ -24,6 +25,11 @@ median over the measured steps, from DeepSpeed's own communication log under ZeR
 ``torch.distributed`` collectives under FSDP2 (bench/_collective_counter.py; both sides run with both switched on).
 
 Writes bench/results/peer.json (provenance included) and renders the "peer" section of docs/benchmarks.md from it.
+
+``--model 125m`` measures the NLP recipe alone on its shipped 125M config (``configs/llama_125m.yaml``: a GPT-3
+Small shape, 134M parameters with its 32,000-token vocabulary) at a size two CPU processes step through in seconds
+(:data:`NLP_125M`), both pairs on both front-ends; it writes bench/results/peer_125m.json and renders the
+"peer-125m" section.
 
 ``--settings`` asks why ZeRO-3 costs more CPU time a step than ZeRO-2 on the NLP recipe when FSDP2's ``fsdp2`` costs
 about what ``fsdp2_grad_op`` does: the recipe under ``deepspeed_stage_3`` with one of DeepSpeed's stage-3 settings
@@ -73,7 +79,25 @@ from science_config import SMOKE_OVERRIDES as SCIENCE_SMOKE_OVERRIDES  # noqa: E
 
 RESULTS = REPO / "bench" / "results" / "peer.json"
 SETTINGS_RESULTS = REPO / "bench" / "results" / "peer_settings.json"
-DOCS = {"peer": DOC, "zero3-settings": REPO / "docs" / "presets.md"}
+RESULTS_125M = REPO / "bench" / "results" / "peer_125m.json"
+DOCS = {"peer": DOC, "peer-125m": DOC, "zero3-settings": REPO / "docs" / "presets.md"}
+# --model 125m: the shipped config with what a 2-core CPU can step through (its own 16 x 1024 tokens a micro-batch
+# and accumulation 2 would take minutes a step here), the model and its vocabulary as shipped; the training text
+# capped (the steps measured need a few thousand tokens, not the whole corpus tokenized by every run).
+NLP_125M = [
+    "--config",
+    str(REPO / "recipes" / "nlp" / "configs" / "llama_125m.yaml"),
+    "seq_len=256",
+    "micro_batch_size=1",
+    "grad_accum=1",
+    "max_train_tokens=200000",
+    "max_val_tokens=4096",
+    "sample_tokens=0",
+]
+MODEL_LABEL = {
+    "default": "default model",
+    "125m": "Llama 125M config (configs/llama_125m.yaml at seq_len 256, micro-batch 1, accumulation 1)",
+}
 # (ZeRO preset, the FSDP2 preset sharding the same model states)
 PAIRS = (("deepspeed_stage_2", "fsdp2_grad_op"), ("deepspeed_stage_3", "fsdp2"))
 FRONT_ENDS = ("lightning", "accelerate")
@@ -125,10 +149,11 @@ class Run:
 
 
 def command(recipe: str, front_end: str, args: list[str]) -> list[str]:
-    """The recipe's command on 2 processes, through the front-end's own launcher."""
+    """The recipe's command on 2 processes, through the front-end's own launcher; ``args`` may start with
+    ``--config FILE`` (the recipes read options before their ``key=value`` overrides)."""
     folder = REPO / "recipes" / recipe
     if front_end == "lightning":
-        return [sys.executable, str(folder / "train.py"), f"devices={PROCESSES}", *args]
+        return [sys.executable, str(folder / "train.py"), *args, f"devices={PROCESSES}"]  # --config first
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(folder / "accelerate.yaml")]
     launch += ["--num_processes", str(PROCESSES), "--main_process_port", str(free_port())]
     return [*launch, str(folder / "train_accelerate.py"), *args]
@@ -229,10 +254,18 @@ def run_recipe(recipe: str, front_end: str, preset: str, args: list[str], out_di
 
 
 def measure(
-    cases: list[tuple[str, str]], pairs: tuple, reps: int, steps: int, work: Path, quick: bool, lock: Path | None
+    cases: list[tuple[str, str]],
+    pairs: tuple,
+    reps: int,
+    steps: int,
+    work: Path,
+    quick: bool,
+    lock: Path | None,
+    model_args: tuple[str, ...] = (),
 ) -> list[dict]:
     """Interleaved repetitions of every (recipe, front-end, pair): the two sides of a pair run back to back, each
-    repetition holding ``lock`` (other heavy work on a shared machine waits between repetitions, not during one)."""
+    repetition holding ``lock`` (other heavy work on a shared machine waits between repetitions, not during one).
+    ``model_args`` start every run's arguments (``--model 125m``: :data:`NLP_125M`)."""
     rows = {
         (recipe, front_end, zero, fsdp2): {"runs": {zero: [], fsdp2: []}, "error": None}
         for recipe, front_end in cases
@@ -242,7 +275,7 @@ def measure(
         with holding(lock):
             for (recipe, front_end, zero, fsdp2), row in rows.items():
                 if not row["error"]:
-                    measure_pair(recipe, front_end, (zero, fsdp2), row, rep, steps, work, quick)
+                    measure_pair(recipe, front_end, (zero, fsdp2), row, rep, steps, work, quick, model_args)
     return [
         {"recipe": recipe, "front_end": front_end, "zero": zero, "fsdp2": fsdp2, **row}
         for (recipe, front_end, zero, fsdp2), row in rows.items()
@@ -250,12 +283,20 @@ def measure(
 
 
 def measure_pair(
-    recipe: str, front_end: str, pair: tuple[str, str], row: dict, rep: int, steps: int, work: Path, quick: bool
+    recipe: str,
+    front_end: str,
+    pair: tuple[str, str],
+    row: dict,
+    rep: int,
+    steps: int,
+    work: Path,
+    quick: bool,
+    model_args: tuple[str, ...] = (),
 ) -> None:
     """Both sides of a pair, in the repetition's order; a failure is kept in ``row["error"]``."""
     for preset in rotated(pair, rep):
         out_dir = work / f"{recipe}-{front_end}-{preset}-{rep}"
-        args = [f"checkpoint_interval={steps}", "log_interval=1", "eval_interval=100000"]
+        args = [*model_args, f"checkpoint_interval={steps}", "log_interval=1", "eval_interval=100000"]
         if recipe == "science":
             args += [f"cache_dir={work / 'burgers-cache'}", *(SCIENCE_SMOKE if quick else [])]
         try:
@@ -577,6 +618,7 @@ def render_sections(document: dict) -> dict[str, str]:
     results = document["results"]
     if results.get("mode") == "settings":
         return {"zero3-settings": render_settings(results)}
+    section = "peer-125m" if results.get("mode") == "125m" else "peer"
     rows = results["rows"]
     failed = [f"- {r['recipe']}, {r['front_end']}: did not run: `{r['error']}`" for r in rows if r["error"]]
     skipped = [f"- {name}: skipped: `{why}`" for name, why in results["skipped"].items()]
@@ -615,7 +657,7 @@ def render_sections(document: dict) -> dict[str, str]:
         *([""] + failed if failed else []),
         *([""] + skipped if skipped else []),
     ]
-    return {"peer": "\n".join(body)}
+    return {section: "\n".join(body)}
 
 
 @exit_on_user_error(ValueError, FileNotFoundError)  # --render: a results file missing or without provenance
@@ -631,9 +673,19 @@ def main() -> None:
         "--settings", action="store_true", help=f"NLP recipe, ZeRO-3 settings (default --json {SETTINGS_RESULTS.name})"
     )
     parser.add_argument("--front-ends", nargs="+", choices=FRONT_ENDS, default=list(FRONT_ENDS), help="with --settings")
+    parser.add_argument(
+        "--model",
+        choices=list(MODEL_LABEL),
+        default="default",
+        help=f"125m: the NLP recipe's 125M config alone (default --json {RESULTS_125M.name})",
+    )
     args = parser.parse_args()
+    if args.model != "default" and (args.quick or args.settings):
+        parser.error("--model 125m measures the NLP recipe's pairs: not with --quick or --settings")
     if args.settings and args.json == RESULTS:
         args.json = SETTINGS_RESULTS
+    if args.model == "125m" and args.json == RESULTS:
+        args.json = RESULTS_125M
     if args.render:
         render_from_file(args.json, render_sections, DOCS)
         return
@@ -648,17 +700,23 @@ def main() -> None:
         save_and_publish(args, results, render_sections, DOCS)
         print(render_settings(results))
         return
+    model_args: tuple[str, ...] = ()
     if args.quick:
         cases, pairs, reps, model = [("science", "lightning")], PAIRS[1:], 1, "smoke model"
+    elif args.model == "125m":
+        cases = [("nlp", front_end) for front_end in FRONT_ENDS]
+        pairs, reps, model, model_args = PAIRS, args.reps, MODEL_LABEL["125m"], tuple(NLP_125M)
     else:
         cases = [(recipe, front_end) for recipe in RECIPES for front_end in FRONT_ENDS]
-        pairs, reps, model = PAIRS, args.reps, "default model"
+        pairs, reps, model = PAIRS, args.reps, MODEL_LABEL["default"]
     with work_folder(args.work_dir, "zr-peer-") as work:
         skipped: dict[str, str] = {}  # recipe -> why it did not run (none now: every recipe here runs both)
-        rows = measure(cases, pairs, reps, args.steps, work, args.quick, args.lock)
+        rows = measure(cases, pairs, reps, args.steps, work, args.quick, args.lock, model_args)
     results = {"reps": reps, "steps": args.steps, "warmup": WARMUP, "model": model, "rows": rows, "skipped": skipped}
+    if args.model == "125m":
+        results["mode"] = "125m"
     save_and_publish(args, results, render_sections, DOCS)
-    print(render_sections({"results": results})["peer"])
+    print(next(iter(render_sections({"results": results}).values())))
 
 
 if __name__ == "__main__":

@@ -220,6 +220,34 @@ def test_peer_render_judges_the_nlp_goal_on_each_pairs_medians():
     assert "2.00x" not in text and nlp_goal_text([row("cv", "lightning", [2.0], [300])]) == ""
 
 
+def test_peer_125m_mode_renders_its_own_section_and_refuses_the_other_modes(tmp_path):
+    """--model 125m results go to their own section (the default model's "peer" section stays), judged against the
+    same NLP goal; with --quick or --settings it is one usage error before any run."""
+    sys.path.insert(0, str(REPO))
+    from bench.peer import NLP_125M, command, render_sections
+
+    def side(cpu):
+        return {"cpu_s_per_step": cpu, "wall_s_per_step": cpu, "samples_per_s": 1.0, "model_state_bytes": 100,
+                "model_state_breakdown": {"params": 100}, "peak_rss_bytes": 1, "post_step_rss_bytes": 1,
+                "checkpoint_bytes": 1, "checkpoint_blocked_s": 0.1, "final_loss": 1.0, "comm_bytes_per_step": 1.0,
+                "comm_by_collective": {"all_gather": 1.0}}  # fmt: skip
+
+    row = {"recipe": "nlp", "front_end": "lightning", "zero": "z", "fsdp2": "f", "error": None}
+    row["runs"] = {"z": [side(2.0)], "f": [side(1.0)]}
+    results = {"mode": "125m", "reps": 1, "steps": 8, "warmup": 3, "model": "125M", "skipped": {}, "rows": [row]}
+    sections = render_sections({"results": results})
+    assert list(sections) == ["peer-125m"]
+    assert "- lightning, z / f: CPU time 2.00x, model states 1.00x: not met." in sections["peer-125m"]
+    # The shipped config is read before the overrides (argparse takes --config ahead of the key=value list).
+    argv = command("nlp", "lightning", [*NLP_125M, "preset=fsdp2"])
+    assert argv[2:4] == ["--config", str(REPO / "recipes" / "nlp" / "configs" / "llama_125m.yaml")]
+    assert argv[-1] == "devices=2" and (REPO / "recipes" / "nlp" / "configs" / "llama_125m.yaml").is_file()
+    for other in ("--quick", "--settings"):
+        proc = run([PYTHON, "bench/peer.py", "--model", "125m", other, "--work-dir", tmp_path], check=False)
+        assert proc.returncode == 2 and "not with --quick or --settings" in proc.stderr, proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
 def test_peer_names_a_zero_preset_whose_bytes_differ_between_front_ends():
     """A ZeRO preset sending different bytes a step on the two front-ends of one recipe is named with both medians;
     equal bytes (within 1 %) and a front-end alone are not."""
