@@ -73,6 +73,7 @@ from bench._collective_counter import read_rank_steps, steady_sent_bytes  # noqa
 from common.errors import exit_on_user_error  # noqa: E402
 from common.rundir import free_port, read_metrics  # noqa: E402
 from common.tools.probe import last_error_line  # noqa: E402
+from nlp.data import read_files, split_files, stdlib_source_files, train_bpe_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes" / "science"))
 from science_config import SMOKE_OVERRIDES as SCIENCE_SMOKE_OVERRIDES  # noqa: E402
@@ -84,9 +85,10 @@ DOCS = {"peer": DOC, "peer-125m": DOC, "zero3-settings": REPO / "docs" / "preset
 # --model 125m: the shipped config with what a 2-core CPU can step through (its own 16 x 1024 tokens a micro-batch
 # and accumulation 2 would take minutes a step here), the model and its vocabulary as shipped; the training text
 # capped (the steps measured need a few thousand tokens, not the whole corpus tokenized by every run).
+CONFIG_125M = REPO / "recipes" / "nlp" / "configs" / "llama_125m.yaml"
 NLP_125M = [
     "--config",
-    str(REPO / "recipes" / "nlp" / "configs" / "llama_125m.yaml"),
+    str(CONFIG_125M),
     "seq_len=256",
     "micro_batch_size=1",
     "grad_accum=1",
@@ -157,6 +159,17 @@ def command(recipe: str, front_end: str, args: list[str]) -> list[str]:
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(folder / "accelerate.yaml")]
     launch += ["--num_processes", str(PROCESSES), "--main_process_port", str(free_port())]
     return [*launch, str(folder / "train_accelerate.py"), *args]
+
+
+def shared_tokenizer(folder: Path, config: Path = CONFIG_125M) -> Path:
+    """The byte-level BPE tokenizer every run of ``config`` trains on the standard library's train split (its
+    ``vocab_size``, ``val_fraction`` and ``seed``, the recipe's own function: the same tokens), trained once into
+    ``folder`` and given to each run (``tokenizer=``) rather than trained again by every one of them."""
+    if not (folder / "tokenizer.json").is_file():
+        keys = yaml.safe_load(config.read_text())
+        train_files, _ = split_files(stdlib_source_files(), keys["val_fraction"], keys["seed"])
+        train_bpe_tokenizer(read_files(train_files), vocab_size=keys["vocab_size"], out_dir=folder)
+    return folder
 
 
 def logged_steps(out_dir: Path, key: str) -> set[int]:
@@ -710,6 +723,8 @@ def main() -> None:
         cases = [(recipe, front_end) for recipe in RECIPES for front_end in FRONT_ENDS]
         pairs, reps, model = PAIRS, args.reps, MODEL_LABEL["default"]
     with work_folder(args.work_dir, "zr-peer-") as work:
+        if args.model == "125m":
+            model_args += (f"tokenizer={shared_tokenizer(work / 'tokenizer-125m')}",)
         skipped: dict[str, str] = {}  # recipe -> why it did not run (none now: every recipe here runs both)
         rows = measure(cases, pairs, reps, args.steps, work, args.quick, args.lock, model_args)
     results = {"reps": reps, "steps": args.steps, "warmup": WARMUP, "model": model, "rows": rows, "skipped": skipped}
