@@ -248,6 +248,23 @@ def test_peer_125m_mode_renders_its_own_section_and_refuses_the_other_modes(tmp_
     assert not list(tmp_path.iterdir())  # nothing ran
 
 
+def test_peer_lists_a_figure_where_zero_is_above_fsdp2_in_every_repetition_to_the_printed_decimals():
+    """ "Where ZeRO costs more" names a figure whose ratio is above 1.00 in every repetition as printed: 1.02 and
+    1.06 are, 1.00004 (a few bytes more a step) is not, nor a figure above 1.00 in one repetition only."""
+    sys.path.insert(0, str(REPO))
+    from bench.peer import where_zero_loses
+
+    def runs(cpu, sent):
+        return [{"cpu_s_per_step": c, "comm_bytes_per_step": b, "model_state_breakdown": {}} for c, b in zip(cpu, sent)]
+
+    zero, fsdp2 = runs([1.02, 1.06], [100_004, 100_004]), runs([1.0, 1.0], [100_000, 100_000])
+    row = {"recipe": "nlp", "front_end": "lightning", "zero": "z", "fsdp2": "f", "runs": {"z": zero, "f": fsdp2}}
+    text = where_zero_loses([row])
+    assert "CPU time per step 1.04x FSDP2's" in text and "communication" not in text, text
+    row["runs"]["z"] = runs([1.02, 0.98], [100_004, 100_004])
+    assert "CPU time" not in where_zero_loses([row])
+
+
 def test_peer_names_a_zero_preset_whose_bytes_differ_between_front_ends():
     """A ZeRO preset sending different bytes a step on the two front-ends of one recipe is named with both medians;
     equal bytes (within 1 %) and a front-end alone are not."""
