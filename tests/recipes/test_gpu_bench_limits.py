@@ -173,7 +173,10 @@ def test_the_script_finds_python3_and_says_how_to_install_a_deepspeed_that_does_
     bin_dir.mkdir()
     (bin_dir / "python").write_text("#!/bin/sh\necho 'No module named torch' >&2\nexit 1\n")
     (bin_dir / "python").chmod(0o755)
-    (bin_dir / "python3").symlink_to(PYTHON)
+    # A wrapper, not a symlink: a link to a virtual environment's python runs the base interpreter, without the
+    # environment's packages (Python finds pyvenv.cfg beside the path it was started by).
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{PYTHON}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
     env = {**subprocess_env(), "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": f"{site}:{REPO}"}
     proc = subprocess.run(["bash", "bench/gpu.sh", "--cpu"], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stdout + proc.stderr
