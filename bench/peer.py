@@ -73,7 +73,7 @@ from bench._collective_counter import read_rank_steps, steady_sent_bytes  # noqa
 from common.errors import exit_on_user_error  # noqa: E402
 from common.rundir import free_port, read_metrics  # noqa: E402
 from common.tools.probe import last_error_line  # noqa: E402
-from nlp.data import read_files, split_files, stdlib_source_files, train_bpe_tokenizer  # noqa: E402
+from nlp.data import train_stdlib_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes" / "science"))
 from science_config import SMOKE_OVERRIDES as SCIENCE_SMOKE_OVERRIDES  # noqa: E402
@@ -86,7 +86,7 @@ DOCS = {"peer": DOC, "peer-125m": DOC, "zero3-settings": REPO / "docs" / "preset
 # and accumulation 2 would take minutes a step here), the model and its vocabulary as shipped; the training text
 # capped (the steps measured need a few thousand tokens, not the whole corpus tokenized by every run).
 CONFIG_125M = REPO / "recipes" / "nlp" / "configs" / "llama_125m.yaml"
-NLP_125M = [
+NLP_125M = (
     "--config",
     str(CONFIG_125M),
     "seq_len=256",
@@ -95,7 +95,7 @@ NLP_125M = [
     "max_train_tokens=200000",
     "max_val_tokens=4096",
     "sample_tokens=0",
-]
+)
 MODEL_LABEL = {
     "default": "default model",
     "125m": "Llama 125M config (configs/llama_125m.yaml at seq_len 256, micro-batch 1, accumulation 1)",
@@ -167,8 +167,7 @@ def shared_tokenizer(folder: Path, config: Path = CONFIG_125M) -> Path:
     ``folder`` and given to each run (``tokenizer=``) rather than trained again by every one of them."""
     if not (folder / "tokenizer.json").is_file():
         keys = yaml.safe_load(config.read_text())
-        train_files, _ = split_files(stdlib_source_files(), keys["val_fraction"], keys["seed"])
-        train_bpe_tokenizer(read_files(train_files), vocab_size=keys["vocab_size"], out_dir=folder)
+        train_stdlib_tokenizer(keys["vocab_size"], keys["val_fraction"], keys["seed"], out_dir=folder)
     return folder
 
 
@@ -719,7 +718,7 @@ def main() -> None:
         cases, pairs, reps, model = [("science", "lightning")], PAIRS[1:], 1, "smoke model"
     elif args.model == "125m":
         cases = [("nlp", front_end) for front_end in FRONT_ENDS]
-        pairs, reps, model, model_args = PAIRS, args.reps, MODEL_LABEL["125m"], tuple(NLP_125M)
+        pairs, reps, model, model_args = PAIRS, args.reps, MODEL_LABEL["125m"], NLP_125M
     else:
         cases = [(recipe, front_end) for recipe in RECIPES for front_end in FRONT_ENDS]
         pairs, reps, model = PAIRS, args.reps, MODEL_LABEL["default"]

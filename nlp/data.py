@@ -324,6 +324,16 @@ def train_bpe_tokenizer(
     return tokenizer
 
 
+def train_stdlib_tokenizer(
+    vocab_size: int, val_fraction: float, seed: int, out_dir: str | Path
+) -> PreTrainedTokenizerFast:
+    """The tokenizer a ``data=stdlib`` run trains when given none (:func:`load_lm_data`): a byte-level BPE on the
+    train split of the same ``val_fraction`` and ``seed``, so the same tokens, saved to ``out_dir``. Tests and
+    benches train it once and give it to many runs (``tokenizer=``)."""
+    train_files, _ = split_files(stdlib_source_files(), val_fraction, seed)
+    return train_bpe_tokenizer(read_files(train_files), vocab_size=vocab_size, out_dir=out_dir)
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Load a tokenizer from a local folder (never from a hub).
 

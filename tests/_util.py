@@ -121,12 +121,11 @@ def stdlib_tokenizer() -> Path:
     """The byte-level BPE tokenizer (vocabulary 4096) the NLP recipe trains on the standard library's train split when
     given none, trained once per test session as the recipe trains it (2-3 s, on rank 0 of every run otherwise), in a
     folder removed at exit. Runs given it with ``tokenizer=`` get the same tokens, so the same losses."""
-    from nlp.data import read_files, split_files, stdlib_source_files, train_bpe_tokenizer
+    from nlp.data import train_stdlib_tokenizer
 
     folder = Path(tempfile.mkdtemp(prefix="zero-recipes-tokenizer-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    train_files, _ = split_files(stdlib_source_files(), val_fraction=0.05, seed=0)
-    train_bpe_tokenizer(read_files(train_files), vocab_size=4096, out_dir=folder)
+    train_stdlib_tokenizer(vocab_size=4096, val_fraction=0.05, seed=0, out_dir=folder)
     return folder
 
 
