@@ -17,12 +17,13 @@ parameters, bf16, micro-batch 2 x 64 tokens), 2 processes unless said:
 - seconds: per stage row, the seconds the training thread spent in collectives per step (bench/_comm_worker.py:
   synchronous calls as logged, stage 3's asynchronous all-gathers by the time it waited for them, prefetch off so that
   nothing overlaps) against the planner's seconds over the links ``zero-recipes doctor --collectives`` measured in the
-  same repetition (latency + bytes / bus bandwidth, fitted per collective and per buffer dtype: the bf16 transfers at
-  the bf16 fit; at sizes that bracket the messages the rows move, DOCTOR_SIZES). The first repetition runs every row
-  (the bytes); each further one runs doctor and the timed rows only, ``--timed-steps`` optimizer steps each, the first
-  ``TIMING_WARMUP`` not counted (stage 3 records its module trace in its second step) and the median step taken. The
-  bar: within 30 %, judged on the distribution-free interval of the median over repetitions
-  (bench/_bench_util.median_interval), as bench/checkpoint.py judges its bars.
+  same repetition: per collective and buffer dtype (the bf16 transfers at bf16's), each call priced at doctor's time for
+  its size, interpolated between the sizes doctor timed (DOCTOR_SIZES, which bracket the messages the rows move), each
+  timed on buffers outside the cache as a training step's are (common.tools.doctor.BUFFER_POOL_BYTES). The first
+  repetition runs every row (the bytes); each further one runs doctor and the timed rows only, ``--timed-steps``
+  optimizer steps each, the first ``TIMING_WARMUP`` not counted (stage 3 records its module trace in its second step)
+  and the median step taken. The bar: within 30 %, judged on the distribution-free interval of the median over
+  repetitions (bench/_bench_util.median_interval), as bench/checkpoint.py judges its bars.
 
 Writes bench/results/communication.json (provenance included) and renders the section of docs/benchmarks.md.
 """
@@ -426,9 +427,11 @@ def doctor_dtypes_text(results: dict) -> str:
     """Which buffers doctor timed in a results file, in words (a file from before doctor's ``--dtypes``: fp32)."""
     rows = results["repetitions"][0]["doctor"]["collectives"]
     dtypes = list(dict.fromkeys(row.get("dtype", "fp32") for row in rows))
+    pool = results["repetitions"][0]["doctor"].get("buffer_pool_bytes")  # absent: one buffer timed back to back
+    where = f", each call's taken in turn from a pool of {pool / 2**20:g} MiB (out of cache)" if pool else ""
     if dtypes == ["fp32"]:
-        return "on fp32 buffers (every transfer priced at fp32's fit, though the rows move bf16)"
-    return f"on {' and '.join(dtypes)} buffers (each transfer priced at the fit of the dtype it moves)"
+        return f"on fp32 buffers{where} (every transfer priced at fp32's figures, though the rows move bf16)"
+    return f"on {' and '.join(dtypes)} buffers{where} (each transfer priced at the figures of the dtype it moves)"
 
 
 def _mb(value: float) -> str:
@@ -484,7 +487,8 @@ def render_body(results: dict) -> str:
             "",
             f"Seconds per step in collectives, measured against planned over the links `zero-recipes doctor "
             f"--collectives` measured in the same repetition, {doctor_dtypes_text(results)}, at "
-            f"{doctor_sizes_text(results)} ({reps} repetition(s) under the lock, each doctor "
+            f"{doctor_sizes_text(results)}, each call priced at doctor's time for its size (linear between the two "
+            f"sizes around it: `common.communication.call_seconds`) ({reps} repetition(s) under the lock, each doctor "
             f"then the stage rows, {steps} optimizer steps a row of which {warmup} warm-up not counted, the median "
             "step; "
             f"the bar: planned / measured within {TIME_BAR:.0%}, judged on the median's interval over the "

@@ -36,6 +36,7 @@ dtype the transfer moves (``Transfer.dtype``), since a backend may reduce one dt
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from collections import deque
@@ -749,16 +750,43 @@ GBPS = 1e9 / 8  # bytes/s in one Gbit/s
 
 @dataclass(frozen=True)
 class Link:
-    """A link's bus bandwidth per rank (bytes/s) and the fixed cost of one collective call (s)."""
+    """A link's bus bandwidth per rank (bytes/s) and the fixed cost of one collective call (s).
+
+    A measured link also carries the points it was fitted to (``points``: bus bytes of one call, seconds of one call,
+    ascending): a call is then priced at the measured time for its size (:func:`call_seconds`), since a real
+    collective's cost per byte changes with the message size (caches, protocol switches) in ways one line does not
+    follow; the fit prices sizes outside the measured ones and is what the text shows.
+    """
 
     name: str
     bus_bytes_per_s: float
     latency_s: float = 0.0
     source: str = ""
+    points: tuple[tuple[float, float], ...] = ()
 
     def seconds(self, sent_bytes: float, calls: int) -> float:
         """Seconds for ``calls`` calls that send ``sent_bytes`` in all."""
+        if self.points and calls > 0:
+            return calls * call_seconds(self.points, sent_bytes / calls, self.bus_bytes_per_s)
         return calls * self.latency_s + sent_bytes / self.bus_bytes_per_s
+
+
+def call_seconds(points: tuple[tuple[float, float], ...], bus_bytes: float, bus_bytes_per_s: float) -> float:
+    """Seconds of one call moving ``bus_bytes``, from measured ``(bus bytes, seconds)`` points: linear between the two
+    measured sizes around it; outside them, the nearest point's time plus (or minus, never below zero) the difference
+    in bytes at ``bus_bytes_per_s``. A larger message never takes less time than a smaller one (each point's time is
+    at least the one before it: a dip is the noise of a shared machine)."""
+    xs, ys, slowest = [], [], 0.0
+    for size, seconds in sorted(points):
+        slowest = max(slowest, seconds)
+        xs.append(size)
+        ys.append(slowest)
+    if bus_bytes <= xs[0] or bus_bytes >= xs[-1]:
+        i = 0 if bus_bytes <= xs[0] else -1
+        return max(0.0, ys[i] + (bus_bytes - xs[i]) / bus_bytes_per_s)
+    i = bisect.bisect_right(xs, bus_bytes)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (bus_bytes - x0) * (y1 - y0) / (x1 - x0)
 
 
 # Link classes: nominal one-direction rates (PCIe 3.0/4.0 x16 at 16-32 GB/s; the 25 and 100 Gbit/s networks at which
@@ -803,7 +831,8 @@ def parse_link(text: str) -> Link:
 
 @dataclass(frozen=True)
 class MeasuredLinks:
-    """Per collective, a link fitted to ``doctor --collectives``'s timings: seconds = latency + bus bytes / rate.
+    """Per collective, a link measured by ``doctor --collectives``: its timings at each size it measured, and the fit
+    seconds = latency + bus bytes / rate through them (:func:`fit_link`).
 
     Attributes:
         world_size: the ranks doctor measured over.
@@ -822,10 +851,12 @@ class MeasuredLinks:
 
 
 def fit_link(name: str, rows: list[tuple[float, float]]) -> Link:
-    """Least-squares ``seconds = latency + bytes / rate`` through (bus bytes, seconds) points, latency >= 0."""
+    """Least-squares ``seconds = latency + bytes / rate`` through (bus bytes, seconds) points, latency >= 0; the link
+    keeps the points, which price the sizes between them (:meth:`Link.seconds`)."""
+    points = tuple(sorted(rows))
     if len(rows) == 1:
         sent, seconds = rows[0]
-        return Link(name, sent / seconds, 0.0, "measured (one size)")
+        return Link(name, sent / seconds, 0.0, "measured (one size)", points)
     n = len(rows)
     mean_x = sum(x for x, _ in rows) / n
     mean_y = sum(y for _, y in rows) / n
@@ -834,8 +865,8 @@ def fit_link(name: str, rows: list[tuple[float, float]]) -> Link:
     latency = mean_y - slope * mean_x
     if slope <= 0 or latency < 0:  # noise: fall back to the largest message's bandwidth, no latency
         sent, seconds = max(rows)
-        return Link(name, sent / seconds, 0.0, "measured (largest size)")
-    return Link(name, 1 / slope, latency, "measured")
+        return Link(name, sent / seconds, 0.0, "measured (largest size)", points)
+    return Link(name, 1 / slope, latency, "measured", points)
 
 
 def links_from_doctor(document: dict[str, Any], world_size: int | None = None) -> MeasuredLinks:

@@ -495,17 +495,32 @@ def buffer_elements(message_bytes: int, world: int, dtype: str) -> int:
     return max(world, message_bytes // element // world * world)
 
 
+# Each timed call takes its buffers from a pool larger than a CPU's last-level cache, a different slot each call, so
+# that its data comes from memory as a training step's does (gradients and parameters last written a layer's compute
+# earlier). One buffer timed back to back runs from cache: on a CPU (gloo) that was measurably faster than the same
+# collective's calls inside a training step, which priced communication too low.
+BUFFER_POOL_BYTES = 64 * 2**20
+
+
+def buffer_slots(buffer_bytes: int, pool_bytes: int = BUFFER_POOL_BYTES) -> int:
+    """How many buffers of ``buffer_bytes`` the rotation cycles through: enough to fill ``pool_bytes``."""
+    return max(1, -(-pool_bytes // max(1, buffer_bytes)))
+
+
 def _time_collective(
     op: str, message_bytes: int, iters: int, device: torch.device, group: Any = None, dtype: str = "fp32"
 ) -> float:
     """Seconds per call on a buffer of ``message_bytes`` holding ``dtype``, the slowest rank's (a collective ends when
-    its last rank does)."""
+    its last rank does); each call on buffers not touched since the pool was filled (:data:`BUFFER_POOL_BYTES`)."""
     world = dist.get_world_size(group)
     count = buffer_elements(message_bytes, world, dtype)
-    full = torch.ones(count, device=device, dtype=TORCH_DTYPES[dtype])
-    shard = torch.ones(count // world, device=device, dtype=TORCH_DTYPES[dtype])
+    element = torch.tensor([], dtype=TORCH_DTYPES[dtype]).element_size()
+    slots = min(buffer_slots(count * element), iters + 1)  # no more slots than calls: each call a fresh one
+    fulls = torch.ones(slots, count, device=device, dtype=TORCH_DTYPES[dtype])
+    shards = torch.ones(slots, count // world, device=device, dtype=TORCH_DTYPES[dtype])
 
-    def once() -> None:
+    def once(call: int) -> None:
+        full, shard = fulls[call % slots], shards[call % slots]
         if op == "all_reduce":
             dist.all_reduce(full, group=group)
         elif op == "all_gather":
@@ -513,12 +528,12 @@ def _time_collective(
         else:
             dist.reduce_scatter_tensor(shard, full, group=group)
 
-    once()
+    once(slots - 1)  # warm-up: the slot the timed calls reach last (or never)
     _sync(device)
     dist.barrier(group=group)
     start = time.perf_counter()
-    for _ in range(iters):
-        once()
+    for call in range(iters):
+        once(call)
     _sync(device)
     elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
@@ -594,6 +609,7 @@ def measure_collectives(sizes_bytes: list[int], iters: int, dtypes: tuple[str, .
         "backend": dist.get_backend(),
         "nodes": nodes,
         "collectives": rows,
+        "buffer_pool_bytes": BUFFER_POOL_BYTES,  # each timed call on buffers from a pool this large
         "inter_node_Gbps": inter_node_gbps,
         "matmul_gflops": speeds,
         "slow_ranks": slow_ranks(speeds),

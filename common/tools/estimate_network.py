@@ -246,6 +246,7 @@ def row_network(
                     "link": link.name,
                     "bus_bytes_per_s": link.bus_bytes_per_s,
                     "latency_s": link.latency_s,
+                    "measured_sizes": bool(link.points),  # priced at doctor's time for its size, not the fit
                     "seconds": seconds,
                 }
             )
@@ -420,13 +421,15 @@ def network_lines(result: Plan, rung_name: Callable[[Row], str]) -> list[str]:
         shown.add((chosen["stage"], chosen["offload"]))
     for row in result.rows:
         if (row.stage, row.offload) in shown and row.network:
-            lines.append(f"  {rung_name(row)}, term by term (bus bytes a rank sends / bus rate + calls x latency):")
+            how = (
+                "calls x doctor's measured time a call at its size"
+                if any(term.get("measured_sizes") for term in row.network["terms"])
+                else "bus bytes a rank sends / bus rate + calls x latency"
+            )
+            lines.append(f"  {rung_name(row)}, term by term ({how}):")
             for term in row.network["terms"]:
-                lines.append(
-                    f"    {term['collective']:<14} {fmt_gb(term['sent_bytes']):>9} / {term['bus_bytes_per_s'] / GB:g}"
-                    f" GB/s + {term['calls']} x {term['latency_s'] * 1e6:g} us = {term['seconds']:.3g} s  "
-                    f"{term['purpose']}"
-                )
+                arithmetic = _term_arithmetic(term)
+                lines.append(f"    {term['collective']:<14} {arithmetic} = {term['seconds']:.3g} s  {term['purpose']}")
             bucket = row.network["suggested_bucket_elements"]
             if bucket:
                 lines.append(f"    suggested reduce/allgather bucket for this link: {bucket:.3g} elements")
@@ -448,6 +451,18 @@ def guide_shares(result: Plan) -> dict[str, dict[str, float]]:
         numbers = row_network(result.model, inp, check, 3, zero)
         shares[name] = {"comm_share": numbers["comm_share"], "exposed_share": numbers["exposed_share"]}
     return shares
+
+
+def _term_arithmetic(term: dict) -> str:
+    """How a term's seconds were priced: over a nominal link bytes / rate + calls x latency; over a measured one,
+    calls x doctor's time a call at the call's size (between the sizes it measured)."""
+    if term.get("measured_sizes"):
+        per_call_ms = term["seconds"] / term["calls"] * 1e3
+        return f"{term['calls']} x {per_call_ms:.3g} ms (doctor's time at {fmt_gb(term['sent_bytes'] / term['calls'])})"
+    return (
+        f"{fmt_gb(term['sent_bytes']):>9} / {term['bus_bytes_per_s'] / GB:g} GB/s + {term['calls']} x "
+        f"{term['latency_s'] * 1e6:g} us"
+    )
 
 
 def _guide_check(result: Plan) -> str:

@@ -4,6 +4,7 @@ import json
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from bench.communication import LAYOUTS, MICRO_BATCH, SEQ
@@ -15,6 +16,7 @@ from common.communication import (
     Transfer,
     compute_seconds,
     expert_capacity,
+    fit_link,
     forward_numels,
     link_for,
     links_from_doctor,
@@ -26,6 +28,7 @@ from common.communication import (
     stage3_module_trace,
     step_share,
     suggested_bucket_elements,
+    transfer_seconds,
     with_recipe_moe,
 )
 from common.errors import ConfigError
@@ -313,6 +316,33 @@ def test_each_transfer_is_priced_at_the_bandwidth_of_the_dtype_it_moves():
     int4 = plan(3, precision="bf16", quantized_gradients=True)
     qgz = next(t for t in int4.transfers if t.collective == "all_to_all")
     assert qgz.dtype == "int4" and link_for(qgz, links, None) is links.links["all_gather"]
+
+
+def test_a_measured_link_prices_each_call_at_doctors_time_for_its_size():
+    """Doctor's points need not lie on a line (gloo's cost per byte changes with the size): a call is priced at the
+    time measured for its size, linear between the two sizes around it, by hand here; outside the measured sizes the
+    nearest point's time moves at the fit's rate; a dip in the points (noise) never makes a larger call cheaper."""
+    kinked = [(1e5, 1e-3), (1e6, 2e-3), (1e7, 40e-3)]  # cheap up to 1 MB, 26 MB/s past it
+    link = fit_link("all_reduce", kinked)
+    assert link.seconds(2 * 5.5e5, 2) == pytest.approx(2 * 1.5e-3)  # halfway between 1e5 and 1e6: 1.5 ms a call
+    assert link.seconds(5.5e6, 1) == pytest.approx(2e-3 + 4.5e6 * 38e-3 / 9e6)
+    assert link.seconds(2e7, 1) == pytest.approx(40e-3 + 1e7 / link.bus_bytes_per_s)
+    assert link.seconds(3e4, 3) == pytest.approx(3 * max(0.0, 1e-3 - 9e4 / link.bus_bytes_per_s))
+    line = link.latency_s + 5.5e5 / link.bus_bytes_per_s  # what the fitted line alone would charge
+    assert abs(line - 1.5e-3) > 0.3 * 1.5e-3  # so the first check above tells the two apart
+    dipped = fit_link("all_gather", [(1e5, 1e-3), (1e6, 0.5e-3), (1e7, 9e-3)])
+    assert dipped.seconds(5.5e5, 1) == pytest.approx(1e-3)  # 1 MB measured faster than 100 kB: read as 1 ms
+
+    # Through doctor.json: a transfer's seconds are its calls at the time for its own message's bus bytes.
+    small = [(1e3, 1e-4), (1e4, 2e-4), (1e5, 4e-3)]  # the kink at the test model's sizes (a few kB a bucket)
+    rows = [{"op": "all_reduce", "dtype": "bf16", "bytes": size, "seconds": s} for size, s in small]  # 2 ranks:
+    links = links_from_doctor({"measured": {"world_size": 2, "collectives": rows}}, world_size=2)  # bus = bytes
+    bf16 = plan(2, precision="bf16")
+    grads = [t for t in bf16.transfers if t.collective == "all_reduce" and t.dtype == "bf16"]
+    sizes = [t.sent_bytes / t.calls for t in grads]
+    assert grads and all(1e3 < size < 1e5 for size in sizes)  # inside the measured sizes: numpy's interpolation
+    by_hand = sum(t.calls * float(np.interp(size, *zip(*small))) for t, size in zip(grads, sizes, strict=True))
+    assert sum(transfer_seconds(t, link_for(t, links, None)) for t in grads) == pytest.approx(by_hand)
 
 
 def test_sequence_parallel_stage_2_reduces_gradients_in_fp32():

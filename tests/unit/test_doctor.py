@@ -16,6 +16,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed
 
 from common import hang
 from common.hang import analyze, crash_frames, format_diagnosis, read_reports, settings_for
@@ -155,6 +157,39 @@ def test_bus_bandwidth_is_nccl_tests_definition():
     assert bus_bandwidth("all_reduce", gigabyte, 1.0, 8) == pytest.approx(1.75e9)
     assert bus_bandwidth("all_gather", gigabyte, 0.5, 4) == pytest.approx(1.5e9)
     assert bus_bandwidth("reduce_scatter", gigabyte, 2.0, 2) == pytest.approx(0.25e9)
+
+
+@pytest.mark.parametrize(
+    ("op", "message_bytes"), [("all_reduce", 4096), ("all_gather", 1 << 20), ("reduce_scatter", 16 << 20)]
+)
+def test_each_timed_call_moves_buffers_no_call_before_it_touched(monkeypatch, op, message_bytes):
+    """One buffer timed back to back runs from the CPU's cache, which a training step's buffers do not: every timed
+    call takes its own buffers from a pool of BUFFER_POOL_BYTES, reused only once the whole pool has gone by. Counted
+    from the buffers each real gloo call (one rank) received."""
+    name = {
+        "all_reduce": "all_reduce",
+        "all_gather": "all_gather_into_tensor",
+        "reduce_scatter": "reduce_scatter_tensor",
+    }
+    real, seen = getattr(torch.distributed, name[op]), []
+
+    def counted(*args, **kwargs):
+        seen.append(args[0].data_ptr())  # the output buffer (all-reduce's only one)
+        return real(*args, **kwargs)
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(torch.distributed, name[op], counted)
+        iters = 20
+        doctor._time_collective(op, message_bytes, iters, torch.device("cpu"))
+    finally:
+        torch.distributed.destroy_process_group()
+    timed = seen[1 : iters + 1]  # after the warm-up call (an all-reduce's last call is the timing's own maximum)
+    slots = doctor.buffer_slots(message_bytes)
+    assert len(set(timed)) == min(slots, iters)  # as many distinct buffers as the pool holds, up to one per call
+    assert all(timed[i] != timed[i - 1] for i in range(1, iters))  # never the previous call's buffer
+    assert all(timed[i] == timed[i - slots] for i in range(slots, iters))  # a buffer returns after the whole pool
+    assert seen[0] not in timed[: min(slots, iters) - 1]  # the warm-up's buffer is the last the rotation reaches
 
 
 def test_a_rank_more_than_ten_percent_behind_the_median_is_named():
