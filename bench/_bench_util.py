@@ -123,8 +123,14 @@ def machine_facts(disks: dict[str, Path] | None = None) -> dict:
     }
 
 
+# The commit a bench measures is the one its process started from: a long run's results are written minutes later,
+# when HEAD (or the working tree) may have moved on.
+COMMIT_AT_START = git_commit()
+
+
 def provenance(argv: list[str] | None = None, disks: dict[str, Path] | None = None) -> dict:
-    """Where a results file came from: the command line, commit, date, library versions and the machine."""
+    """Where a results file came from: the command line, the commit the bench started from (with "-dirty", or
+    "-changed-during-run" when HEAD or the tracked code differ at the end), date, library versions and the machine."""
     versions = {}
     for name in PROVENANCE_PACKAGES:
         try:
@@ -134,7 +140,7 @@ def provenance(argv: list[str] | None = None, disks: dict[str, Path] | None = No
     argv = sys.argv if argv is None else argv
     return {
         "command": shlex.join(["python", *[str(a) for a in argv]]),
-        "git_commit": git_commit(),
+        "git_commit": COMMIT_AT_START + ("" if git_commit() == COMMIT_AT_START else "-changed-during-run"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions,
         "python": sys.version.split()[0],

@@ -410,9 +410,9 @@ def time_verdict(timed: list[dict]) -> str:
         f"The seconds bar is met on {len(timed) - len(missed)} of {len(timed)} stage rows; the intervals of "
         f"{'; '.join(outside)} reach outside {1 - TIME_BAR:.2f}-{1 + TIME_BAR:.2f}. The likely causes: the two "
         "ranks share 2 cores with each other and with the machine's other work, so a step's collectives are timed "
-        "with whatever else ran in that second, and each link is fitted from doctor's own run, timed the same way; "
-        "stage 3's per-parameter gathers (64 KiB-1 MiB, prefetch off) are mostly latency, the least steady part of "
-        "a fit. The planner is not tuned toward these figures."
+        "with whatever else ran in that second, and doctor's figures come from its own run, timed the same way; "
+        "stage 3's per-parameter gathers (64 KiB-1 MiB, prefetch off) are mostly latency, the least steady of "
+        "doctor's figures. The planner is not tuned toward these figures."
     )
 
 

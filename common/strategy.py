@@ -524,10 +524,17 @@ def make_optimizer(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
 ) -> Any:
-    """AdamW for the config: DeepSpeedCPUAdam when optimizer states are offloaded, else ``torch.optim.AdamW``.
+    """AdamW for the config: DeepSpeedCPUAdam when optimizer states are offloaded, else ``torch.optim.AdamW``, fused
+    where torch has a fused kernel for the parameters' device and dtype (CPU and CUDA floating point).
 
     ZeRO partitions Adam-family optimizers (an optimizer without partition support breaks the run),
     and with offload DeepSpeed insists on its CPU Adam, which it compiles on first use.
+
+    Why fused: torch's default AdamW builds its denominator in full-size temporaries, tensor by tensor. ZeRO-1 and 2
+    hand it one flat fp32 partition per parameter group, so on a CPU those temporaries are hundreds of MB at a 125M
+    model, above glibc's largest mmap threshold, mapped and faulted in afresh every step (docs/benchmarks.md,
+    "peer-125m-profile"). The fused kernel updates in place in one pass, on ZeRO's flat partition and on FSDP2's
+    DTensor shards alike.
     """
     import torch
 
@@ -546,7 +553,11 @@ def make_optimizer(
             adamw_mode=True,
             fp32_optimizer_states=fp32_states,
         )
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    params = list(params)  # a generator would be spent by a first try
+    try:
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+    except RuntimeError:  # no fused kernel for these parameters' device or dtype
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:

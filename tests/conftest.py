@@ -2,6 +2,7 @@
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Two processes on two cores: one intra-op thread each (docs/design.md: more threads compete for the same cores).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A hang report of a process given no run directory goes to $ZR_HANG_DIR, else ./hang: never the checkout's.
+os.environ.setdefault("ZR_HANG_DIR", tempfile.mkdtemp(prefix="zr-test-hang-"))
 
 
 @pytest.fixture

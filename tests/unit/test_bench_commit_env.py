@@ -1,5 +1,6 @@
 """A results file written on a copy of the tree without its .git (a GPU machine the tree was sent to) names the
-commit the sender gives in ``ZR_GIT_COMMIT``, and nothing that is not a full hash."""
+commit the sender gives in ``ZR_GIT_COMMIT``, and nothing that is not a full hash; a results file names the commit
+its bench started from, and says so when the checkout moved on before it was written."""
 
 import sys
 from pathlib import Path
@@ -21,3 +22,13 @@ def test_a_copy_without_git_takes_the_senders_commit(tmp_path, monkeypatch):
 def test_a_checkout_ignores_the_variable(monkeypatch):
     monkeypatch.setenv("ZR_GIT_COMMIT", "b" * 40)
     assert not _bench_util.git_commit().startswith("b" * 40)
+
+
+def test_the_commit_is_the_one_the_bench_started_from(monkeypatch):
+    """A long bench writes its results minutes after it started: a commit made meanwhile is not what it measured."""
+    now = _bench_util.git_commit()
+    monkeypatch.setattr(_bench_util, "COMMIT_AT_START", now)
+    assert _bench_util.provenance(["bench/x.py"])["git_commit"] == now
+    started = "c" * 40  # HEAD when the bench started; the checkout is elsewhere now
+    monkeypatch.setattr(_bench_util, "COMMIT_AT_START", started)
+    assert _bench_util.provenance(["bench/x.py"])["git_commit"] == started + "-changed-during-run"

@@ -128,6 +128,8 @@ def problems_of(prov, bench: str) -> list[str]:
         problems.append(f"written by {prov['command']!r}, not bench/{bench}")
     if prov["git_commit"].endswith("-dirty"):
         problems.append(f"measured on an uncommitted tree ({prov['git_commit']}): rerun it from a clean commit")
+    elif prov["git_commit"].endswith("-changed-during-run"):
+        problems.append(f"the checkout changed while it ran ({prov['git_commit']}): rerun it on a tree left alone")
     elif not re.fullmatch(r"[0-9a-f]{40}", prov["git_commit"]):
         problems.append(f"git_commit {prov['git_commit']!r} is not a commit")
     try:

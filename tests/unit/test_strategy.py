@@ -349,3 +349,32 @@ def test_zero_init_keeps_a_given_dtype_on_a_cpu_without_fp16(monkeypatch):
     assert chosen(None) == torch.bfloat16  # no dtype given: DeepSpeed's own choice, unchanged
     process_setup.keep_zero_init_dtype()  # a second call wraps nothing twice
     assert Init._set_dtype.deepspeeds is deepspeeds
+
+
+def test_the_optimizer_is_torchs_fused_adamw_and_steps_as_the_reference_does():
+    """Not offloaded: torch's AdamW with its fused kernel (no full-size temporaries on ZeRO's flat partition), from a
+    generator of parameters as well as a list of groups, and the same update as torch's default AdamW to float
+    rounding, on one flat tensor and on several, over three steps with weight decay."""
+    import torch
+
+    config = {"zero_optimization": {"stage": 2}}
+    for flat in (True, False):
+        torch.manual_seed(0)
+        shapes = [(4096,)] if flat else [(64, 32), (32,), (10, 64)]
+        ours = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+        reference = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        optimizer = strategy.make_optimizer(iter(ours), config, lr=1e-2, weight_decay=0.1)
+        assert optimizer.param_groups[0]["fused"] is True
+        plain = torch.optim.AdamW(reference, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        assert not plain.param_groups[0]["fused"]
+        for step in range(3):
+            for p, q in zip(ours, reference, strict=True):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step)) * (step + 1)
+                q.grad = p.grad.clone()
+            optimizer.step()
+            plain.step()
+        for p, q in zip(ours, reference, strict=True):
+            assert not torch.equal(p, q.detach().clone().zero_())  # it moved
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.0}]
+    assert strategy.make_optimizer(groups, config, lr=1e-3).param_groups[0]["fused"] is True
