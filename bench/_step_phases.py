@@ -11,7 +11,8 @@ Phases: at the window's start, the functions of :data:`PHASES` that the run has 
 thread) so that a clock charges the time between two wrapped calls or returns to the innermost phase open, and the
 time with none open to ``other`` (the front-end's loop, logging, data loading). Three clocks: the process's CPU time
 (every thread: gloo's threads doing a collective count in the phase that waits for it), the main thread's CPU time
-and wall time. The ZeRO and the FSDP2 functions of a phase are those doing the same job on each side.
+and wall time; and the process's minor page faults. The ZeRO and the FSDP2 functions of a phase are those doing the
+same job on each side.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import cProfile
 import functools
 import importlib
 import json
+import resource
 import sys
 import threading
 import time
@@ -85,11 +87,18 @@ PHASES: dict[str, tuple[str, ...]] = {
     ),
 }
 OTHER = "other"
-CLOCKS = ("cpu_s", "thread_s", "wall_s")
+# The process's CPU seconds, the main thread's, wall seconds, and the process's minor page faults (memory mapped
+# afresh: glibc serves an allocation above its mmap threshold, at most 32 MiB, with new pages every time).
+CLOCKS = ("cpu_s", "thread_s", "wall_s", "minor_faults")
 
 
-def now() -> tuple[float, float, float]:
-    return time.process_time(), time.thread_time(), time.perf_counter()
+def now() -> tuple[float, float, float, float]:
+    return (
+        time.process_time(),
+        time.thread_time(),
+        time.perf_counter(),
+        resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+    )
 
 
 class PhaseClock:
@@ -106,7 +115,7 @@ class PhaseClock:
     def charge(self) -> None:
         current = now()
         phase = self.stack[-1] if self.stack else OTHER
-        spent = self.totals.setdefault(phase, [0.0, 0.0, 0.0])
+        spent = self.totals.setdefault(phase, [0.0] * len(CLOCKS))
         for i, (a, b) in enumerate(zip(self.last, current)):
             spent[i] += b - a
         self.last = current

@@ -133,6 +133,9 @@ PROFILE_SIDES = (
     # settings are the engine's, the same under either front-end).
     ("contiguous_gradients off", STAGE_2, "zero_optimization.contiguous_gradients=false"),
     ("overlap_comm off", STAGE_2, "zero_optimization.overlap_comm=false"),
+    # Under bf16, DeepSpeed 0.19 still looks for inf/NaN in every gradient before the step (amax and amin of each):
+    # FSDP2 has no such check.
+    ("overflow check off", STAGE_2, "bf16.check_grad_overflow=false"),
 )
 PROFILE_SETTING_FRONT_ENDS = ("accelerate",)
 PROFILE_STEPS = (3, 8, 11)
@@ -717,17 +720,20 @@ def phase_medians(runs: list[dict], clock: str = "cpu_s") -> dict[str, float]:
     return {phase: median([ms[phase] for ms in per_run]) for phase in per_run[0]}
 
 
-def profile_columns(rows: list[dict]) -> list[tuple[str, str, dict]]:
-    """(front-end, side label, its phase medians) of every row that ran, in the rows' order."""
-    return [(r["front_end"], r["label"], phase_medians(r["runs"])) for r in rows if r["runs"]]
+def profile_columns(rows: list[dict], clock: str = "cpu_s") -> list[tuple[str, str, dict]]:
+    """(front-end, side label, its phase medians on ``clock``) of every row that ran, in the rows' order."""
+    return [(r["front_end"], r["label"], phase_medians(r["runs"], clock)) for r in rows if r["runs"]]
 
 
-def profile_phase_table(rows: list[dict]) -> str:
-    """Phases down, sides across (per front-end), with each ZeRO side's difference to the FSDP2 side beside it."""
-    columns = profile_columns(rows)
+def profile_phase_table(rows: list[dict], clock: str = "cpu_s") -> str:
+    """Phases down, sides across (per front-end), with each ZeRO side's difference to the FSDP2 side beside it:
+    CPU ms a step, or (``minor_faults``) thousands of minor page faults a step."""
+    columns = profile_columns(rows, clock)
     if not columns:
         return ""
     heads, cells = [], []
+    if clock == "minor_faults":  # thousands a step (phase_ms_per_step scaled the count by 1e3)
+        columns = [(f, label, {phase: v / 1e6 for phase, v in ms.items()}) for f, label, ms in columns]
     for front_end, label, ms in columns:
         heads.append(f"{front_end}: {label}")
         cells.append(ms)
@@ -735,7 +741,8 @@ def profile_phase_table(rows: list[dict]) -> str:
         if label != PROFILE_REFERENCE and reference is not None:
             heads.append(f"{front_end}: {label} - {PROFILE_REFERENCE}")
             cells.append({phase: ms[phase] - reference[phase] for phase in ms})
-    lines = table_head("phase (rank 0, CPU ms / step)", *heads)
+    unit = "CPU ms / step" if clock == "cpu_s" else "thousand minor page faults / step"
+    lines = table_head(f"phase (rank 0, {unit})", *heads)
     differences = {i for i, head in enumerate(heads) if " - " in head}
     for phase in [*cells[0], "total"]:
         values = [sum(c.values()) if phase == "total" else c[phase] for c in cells]
@@ -746,12 +753,24 @@ def profile_phase_table(rows: list[dict]) -> str:
 
 def profile_clock_table(rows: list[dict]) -> str:
     """Each side's whole window on the three clocks: the process's CPU time, the main thread's, wall time."""
-    lines = table_head("front-end", "side", "process CPU ms / step", "main thread CPU ms / step", "wall ms / step")
+    heads = ("process CPU ms / step", "main thread CPU ms / step", "wall ms / step", "minor page faults / step")
+    lines = table_head("front-end", "side", *heads)
     for row in rows:
         if row["runs"]:
-            totals = [sum(phase_medians(row["runs"], clock).values()) for clock in CLOCKS]
-            lines.append(f"| {row['front_end']} | {row['label']} | " + " | ".join(f"{t:.0f}" for t in totals) + " |")
+            totals = [
+                f"{sum(phase_medians(row['runs'], clock).values()) / (1e3 if clock == 'minor_faults' else 1):.0f}"
+                if clock in row_clocks(row)
+                else "-"
+                for clock in CLOCKS
+            ]
+            lines.append(f"| {row['front_end']} | {row['label']} | " + " | ".join(totals) + " |")
     return "\n".join(lines)
+
+
+def row_clocks(row: dict) -> tuple[str, ...]:
+    """The clocks a row's runs recorded (page faults from the commit that added them on)."""
+    recorded = next(iter(row["runs"][0]["profile"]["phases"].values()))
+    return tuple(clock for clock in CLOCKS if clock in recorded)
 
 
 def profile_gap_text(rows: list[dict]) -> str:
@@ -764,7 +783,7 @@ def profile_gap_text(rows: list[dict]) -> str:
             continue
         gap = {phase: ms[phase] - reference[phase] for phase in ms}
         ranked = sorted(gap, key=lambda phase: -gap[phase])
-        parts = ", ".join(f"{phase} {gap[phase]:+.0f}" for phase in ranked)
+        parts = "; ".join(f"{phase} {gap[phase]:+.0f}" for phase in ranked)
         preset = next((m for f, lab, m in columns if f == front_end and lab == STAGE_2), None)
         beside = f" ({sum(ms.values()) - sum(preset.values()):+.0f} against {STAGE_2}'s)" if label != STAGE_2 else ""
         lines.append(
@@ -810,12 +829,23 @@ def render_profile(results: dict) -> str:
         "front-end's loop, logging, data loading); the process's CPU time (every thread: gloo's threads count in "
         "the phase that waits for them). Medians over repetitions. Then cProfile (own time by package, the main "
         f"thread's CPU time) on steps {switch + 1}-{stop}, which slows the Python-heavy parts: read it for where, "
-        "not for how much."
+        "not for how much (the time a collective's `Work.wait` blocks is charged to the bench's wrapper that calls "
+        "it, under bench + project)."
     )
-    phases = "\n".join(f"- {phase}: {', '.join(f'`{t}`' for t in targets)}" for phase, targets in PHASES.items())
+    covered = results.get("phases", PHASES)  # what the run wrapped, as it recorded it
+    phases = "\n".join(f"- {phase}: {', '.join(f'`{t}`' for t in targets)}" for phase, targets in covered.items())
     failed = [f"- {r['front_end']}, {r['label']}: did not run: `{r['error']}`" for r in rows if r["error"]]
     overrides = [f"- {r['label']}: `ds_overrides={r['ds_override']}`" for r in rows if r["ds_override"]]
+    faults = all("minor_faults" in row_clocks(r) for r in rows if r["runs"])
     body = [head, "", profile_phase_table(rows), "", profile_clock_table(rows), ""]
+    if faults:
+        body += [
+            "Minor page faults by phase: memory the process maps afresh (glibc serves an allocation above its mmap "
+            "threshold, at most 32 MiB, with new pages each time, which the first write faults in):",
+            "",
+            profile_phase_table(rows, "minor_faults"),
+            "",
+        ]
     body += ["Where a ZeRO side's CPU time a step differs from FSDP2's (rank 0, medians):", "", profile_gap_text(rows)]
     body += ["", profile_area_table(rows), "", "Most own time under cProfile (ms a step):", "", profile_top_text(rows)]
     body += ["", "The functions each phase covers (both sides' where they do the same job):", "", phases]
