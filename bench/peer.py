@@ -811,7 +811,7 @@ def profile_top_text(rows: list[dict], top: int = 6) -> str:
     for row in rows:
         if row["runs"]:
             calls = row["runs"][-1]["cprofile"]["top_calls"][:top]
-            shown = "; ".join(f"`{where}` {ms:.0f} ms ({n} calls)" for where, ms, n in calls)
+            shown = "; ".join(f"`{where.replace(f'{REPO}/', '')}` {ms:.0f} ms ({n} calls)" for where, ms, n in calls)
             lines.append(f"- {row['front_end']}, {row['label']}: {shown}.")
     return "\n".join(lines)
 
@@ -822,7 +822,7 @@ def render_profile(results: dict) -> str:
     head = (
         f"Where rank 0's CPU time goes in a training step of the NLP recipe's {results['model']}, 2 CPU processes "
         f'(gloo), the recipe\'s own command as in "peer-125m" with `preset=` the only change within a pair, '
-        f"{results['reps']} interleaved repetitions (bench/peer.py --profile, "
+        f"{results['reps']} interleaved repetition{'s' if results['reps'] != 1 else ''} (bench/peer.py --profile, "
         "bench/_step_phases.py). Phases: steps "
         f"{first + 1}-{switch}; the functions of each phase are wrapped in the running process, and the time between "
         "two of their calls or returns goes to the innermost phase open, the time with none open to `other` (the "
