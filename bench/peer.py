@@ -42,6 +42,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pstats
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,6 +72,8 @@ from bench._bench_util import (  # noqa: E402
     work_folder,
 )
 from bench._collective_counter import read_rank_steps, steady_sent_bytes  # noqa: E402
+from bench._step_phases import CLOCKS, PHASES, phase_ms_per_step  # noqa: E402
+from bench.overhead import breakdown  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 from common.rundir import free_port, read_metrics  # noqa: E402
 from common.tools.probe import last_error_line  # noqa: E402
@@ -81,7 +85,8 @@ from science_config import SMOKE_OVERRIDES as SCIENCE_SMOKE_OVERRIDES  # noqa: E
 RESULTS = REPO / "bench" / "results" / "peer.json"
 SETTINGS_RESULTS = REPO / "bench" / "results" / "peer_settings.json"
 RESULTS_125M = REPO / "bench" / "results" / "peer_125m.json"
-DOCS = {"peer": DOC, "peer-125m": DOC, "zero3-settings": REPO / "docs" / "presets.md"}
+PROFILE_RESULTS = REPO / "bench" / "results" / "peer_125m_profile.json"
+DOCS = {"peer": DOC, "peer-125m": DOC, "peer-125m-profile": DOC, "zero3-settings": REPO / "docs" / "presets.md"}
 # --model 125m: the shipped config with what a 2-core CPU can step through (its own 16 x 1024 tokens a micro-batch
 # and accumulation 2 would take minutes a step here), the model and its vocabulary as shipped; the training text
 # capped (the steps measured need a few thousand tokens, not the whole corpus tokenized by every run).
@@ -118,6 +123,22 @@ SETTINGS = (
     ("memory-efficient linear off", STAGE_3, "zero_optimization.memory_efficient_linear=false"),
     ("fsdp2", "fsdp2", None),
 )
+# --profile: (label, preset, DeepSpeed override) profiled side by side on the NLP recipe; the FSDP2 side is the
+# reference each ZeRO side is compared with. Steps: phases timed after step 3 up to step 8, cProfile up to 11.
+PROFILE_REFERENCE = "fsdp2_grad_op"
+PROFILE_SIDES = (
+    (STAGE_2, STAGE_2, None),
+    (PROFILE_REFERENCE, PROFILE_REFERENCE, None),
+    # ZeRO-2 with one setting changed, where it bears on the phases ZeRO spends more in (Accelerate only: the
+    # settings are the engine's, the same under either front-end).
+    ("contiguous_gradients off", STAGE_2, "zero_optimization.contiguous_gradients=false"),
+    ("overlap_comm off", STAGE_2, "zero_optimization.overlap_comm=false"),
+    # Under bf16, DeepSpeed 0.19 still looks for inf/NaN in every gradient before the step (amax and amin of each):
+    # FSDP2 has no such check.
+    ("overflow check off", STAGE_2, "bf16.check_grad_overflow=false"),
+)
+PROFILE_SETTING_FRONT_ENDS = ("accelerate",)
+PROFILE_STEPS = (3, 8, 11)
 RECIPES = ("cv", "science", "nlp")
 LOSS_KEY = {"cv": "train_loss", "science": "train_rel_l2", "nlp": "train_loss"}
 WARMUP = 3  # optimizer steps left out of the per-step figures (first calls, allocator growth)
@@ -212,15 +233,18 @@ def communication(folder: Path, zero: bool, steps: int) -> dict[str, float]:
     return steady_sent_bytes(logged, WARMUP + 1, steps, PROCESSES)
 
 
-def run_recipe(recipe: str, front_end: str, preset: str, args: list[str], out_dir: Path, steps: int) -> Run:
-    """Launch one run and sample it from outside until it ends; RuntimeError with its last error line if it fails."""
+def run_recipe(
+    recipe: str, front_end: str, preset: str, args: list[str], out_dir: Path, steps: int, env: dict | None = None
+) -> Run:
+    """Launch one run and sample it from outside until it ends; RuntimeError with its last error line if it fails.
+    ``env``: variables added to the run's environment (``--profile``: bench/_step_phases.py's)."""
     key = LOSS_KEY[recipe]
     argv = command(recipe, front_end, [*args, f"preset={preset}", f"out_dir={out_dir}", f"max_steps={steps}"])
     at_step: dict[int, tuple[float, float, int]] = {}  # step -> (wall, CPU, largest RSS) when rank 0 logged it
     peak_rss = 0
     with tempfile.TemporaryFile("w+") as out:
         start = time.perf_counter()
-        env = comms_env(out_dir.with_name(out_dir.name + "-comms"))
+        env = comms_env(out_dir.with_name(out_dir.name + "-comms")) | (env or {})
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         root = psutil.Process(proc.pid)
         try:
@@ -353,6 +377,65 @@ def measure_settings(front_ends: list[str], reps: int, steps: int, work: Path, l
                         flush=True,
                     )
     return [{"front_end": front_end, "label": label, **row} for (front_end, label), row in rows.items()]
+
+
+def measure_profile(
+    front_ends: list[str], reps: int, work: Path, lock: Path | None, model_args: tuple[str, ...]
+) -> list[dict]:
+    """--profile: every side of :data:`PROFILE_SIDES` on the NLP recipe, per front-end, in an order that rotates
+    with the repetition, rank 0 profiled by bench/_step_phases.py (phases over steps ``PROFILE_STEPS[0] + 1`` to
+    ``PROFILE_STEPS[1]``, cProfile after); each repetition holds ``lock``."""
+    start, switch, stop = PROFILE_STEPS
+    sides = [
+        (front_end, side)
+        for front_end in front_ends
+        for side in PROFILE_SIDES
+        if side[2] is None or front_end in PROFILE_SETTING_FRONT_ENDS
+    ]
+    rows = {(front_end, label): {"runs": [], "error": None} for front_end, (label, _, _) in sides}
+    args = [*model_args, f"checkpoint_interval={stop + 1}", "log_interval=1", "eval_interval=100000"]
+    for rep in range(reps):
+        with holding(lock):
+            for front_end, (label, preset, override) in rotated(tuple(sides), rep):
+                row = rows[(front_end, label)]
+                if row["error"]:
+                    continue
+                out_dir = work / f"profile-{front_end}-{label.replace(' ', '_')}-{rep}"
+                folder = out_dir.with_name(out_dir.name + "-profile")
+                env = {"ZR_PEER_PROFILE": str(folder), "ZR_PEER_PROFILE_STEPS": f"{start},{switch},{stop}"}
+                extra = [f"ds_overrides={override}"] if override else []
+                try:
+                    run = run_recipe("nlp", front_end, preset, [*args, *extra], out_dir, stop + 1, env)
+                    profiled = json.loads((folder / "rank0.json").read_text())
+                except (RuntimeError, OSError) as err:
+                    row["error"] = str(err)
+                    print(f"rep {rep} {front_end} {label}: did not run: {err}", flush=True)
+                    continue
+                for written in ("checkpoints", "final"):  # gigabytes a run at 125M, not what is profiled here
+                    shutil.rmtree(out_dir / written, ignore_errors=True)
+                cprofile = breakdown(folder / "rank0.prof", stop - switch)
+                cprofile["top_calls"] = top_calls(folder / "rank0.prof", stop - switch)
+                row["runs"].append({**asdict(run), "profile": profiled, "cprofile": cprofile})
+                ms = phase_ms_per_step(profiled["phases"], switch - start)
+                print(
+                    f"rep {rep} {front_end:>10} {label:>20}: CPU {sum(ms.values()):7.1f} ms/step on rank 0: "
+                    + ", ".join(f"{phase} {value:.0f}" for phase, value in ms.items()),
+                    flush=True,
+                )
+    return [
+        {"front_end": front_end, "label": label, "preset": preset, "ds_override": override, **rows[(front_end, label)]}
+        for front_end, (label, preset, override) in sides
+    ]
+
+
+def top_calls(profile: Path, steps: int, top: int = 10) -> list[list]:
+    """The functions with the most own time in a cProfile dump: ``[where(function), ms a step, calls a step]``."""
+    stats = pstats.Stats(str(profile)).stats  # type: ignore[attr-defined]
+    calls = [
+        [f"{filename.split('site-packages/')[-1]}:{line}({func})", tottime * 1e3 / steps, round(ncalls / steps)]
+        for (filename, line, func), (_, ncalls, tottime, _, _) in stats.items()
+    ]
+    return sorted(calls, key=lambda call: -call[1])[:top]
 
 
 # --- rendering: a pure function of the results document -------------------------------------------------------------
@@ -625,10 +708,157 @@ def render_settings(results: dict) -> str:
     return "\n".join([*body, *([""] + failed if failed else [])])
 
 
+def window_steps(run: dict, window: str) -> int:
+    """Steps in a profiled run's ``phase_steps`` or ``profile_steps`` window ([first, last])."""
+    first, last = run["profile"][window]
+    return last - first + 1
+
+
+def phase_medians(runs: list[dict], clock: str = "cpu_s") -> dict[str, float]:
+    """Per phase, the median over repetitions of rank 0's ms a step on ``clock`` (bench/_step_phases.py)."""
+    per_run = [phase_ms_per_step(r["profile"]["phases"], window_steps(r, "phase_steps"), clock) for r in runs]
+    return {phase: median([ms[phase] for ms in per_run]) for phase in per_run[0]}
+
+
+def profile_columns(rows: list[dict], clock: str = "cpu_s") -> list[tuple[str, str, dict]]:
+    """(front-end, side label, its phase medians on ``clock``) of every row that ran, in the rows' order."""
+    return [(r["front_end"], r["label"], phase_medians(r["runs"], clock)) for r in rows if r["runs"]]
+
+
+def profile_phase_table(rows: list[dict], clock: str = "cpu_s") -> str:
+    """Phases down, sides across (per front-end), with each ZeRO side's difference to the FSDP2 side beside it:
+    CPU ms a step, or (``minor_faults``) thousands of minor page faults a step."""
+    columns = profile_columns(rows, clock)
+    if not columns:
+        return ""
+    heads, cells = [], []
+    if clock == "minor_faults":  # thousands a step (phase_ms_per_step scaled the count by 1e3)
+        columns = [(f, label, {phase: v / 1e6 for phase, v in ms.items()}) for f, label, ms in columns]
+    for front_end, label, ms in columns:
+        heads.append(f"{front_end}: {label}")
+        cells.append(ms)
+        reference = next((m for f, lab, m in columns if f == front_end and lab == PROFILE_REFERENCE), None)
+        if label != PROFILE_REFERENCE and reference is not None:
+            heads.append(f"{front_end}: {label} - {PROFILE_REFERENCE}")
+            cells.append({phase: ms[phase] - reference[phase] for phase in ms})
+    unit = "CPU ms / step" if clock == "cpu_s" else "thousand minor page faults / step"
+    lines = table_head(f"phase (rank 0, {unit})", *heads)
+    differences = {i for i, head in enumerate(heads) if " - " in head}
+    for phase in [*cells[0], "total"]:
+        values = [sum(c.values()) if phase == "total" else c[phase] for c in cells]
+        shown = [f"{v:+.0f}" if i in differences else f"{v:.0f}" for i, v in enumerate(values)]
+        lines.append(f"| {'**total**' if phase == 'total' else phase} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)
+
+
+def profile_clock_table(rows: list[dict]) -> str:
+    """Each side's whole window on the three clocks: the process's CPU time, the main thread's, wall time."""
+    heads = ("process CPU ms / step", "main thread CPU ms / step", "wall ms / step", "minor page faults / step")
+    lines = table_head("front-end", "side", *heads)
+    for row in rows:
+        if row["runs"]:
+            totals = [
+                f"{sum(phase_medians(row['runs'], clock).values()) / (1e3 if clock == 'minor_faults' else 1):.0f}"
+                if clock in row_clocks(row)
+                else "-"
+                for clock in CLOCKS
+            ]
+            lines.append(f"| {row['front_end']} | {row['label']} | " + " | ".join(totals) + " |")
+    return "\n".join(lines)
+
+
+def row_clocks(row: dict) -> tuple[str, ...]:
+    """The clocks a row's runs recorded (page faults from the commit that added them on)."""
+    recorded = next(iter(row["runs"][0]["profile"]["phases"].values()))
+    return tuple(clock for clock in CLOCKS if clock in recorded)
+
+
+def profile_gap_text(rows: list[dict]) -> str:
+    """Per front-end, each ZeRO side's CPU time a step over the FSDP2 side's, split by phase, largest first."""
+    columns = profile_columns(rows)
+    lines = []
+    for front_end, label, ms in columns:
+        reference = next((m for f, lab, m in columns if f == front_end and lab == PROFILE_REFERENCE), None)
+        if label == PROFILE_REFERENCE or reference is None:
+            continue
+        gap = {phase: ms[phase] - reference[phase] for phase in ms}
+        ranked = sorted(gap, key=lambda phase: -gap[phase])
+        parts = "; ".join(f"{phase} {gap[phase]:+.0f}" for phase in ranked)
+        preset = next((m for f, lab, m in columns if f == front_end and lab == STAGE_2), None)
+        beside = f" ({sum(ms.values()) - sum(preset.values()):+.0f} against {STAGE_2}'s)" if label != STAGE_2 else ""
+        lines.append(
+            f"- {front_end}, {label} over {PROFILE_REFERENCE}: {sum(gap.values()):+.0f} ms of rank 0's CPU time a "
+            f"step{beside if preset else ''}; by phase, largest first: {parts}."
+        )
+    return "\n".join(lines)
+
+
+def profile_area_table(rows: list[dict]) -> str:
+    """cProfile's own time by package (bench/overhead.py's areas), medians over repetitions, sides across."""
+    ran = [r for r in rows if r["runs"]]
+    areas = sorted({a for r in ran for run in r["runs"] for a in run["cprofile"]["areas"]})
+    sides = [f"{r['front_end']}: {r['label']}" for r in ran]
+    lines = table_head("package (rank 0, thread CPU ms / step, cProfile)", *sides)
+    for area in areas:
+        values = [median([run["cprofile"]["areas"].get(area, 0.0) for run in r["runs"]]) for r in ran]
+        lines.append(f"| {area} | " + " | ".join(f"{v:.0f}" for v in values) + " |")
+    return "\n".join(lines)
+
+
+def profile_top_text(rows: list[dict], top: int = 6) -> str:
+    """Each side's functions with the most own time under cProfile (the last repetition)."""
+    lines = []
+    for row in rows:
+        if row["runs"]:
+            calls = row["runs"][-1]["cprofile"]["top_calls"][:top]
+            shown = "; ".join(f"`{where.replace(f'{REPO}/', '')}` {ms:.0f} ms ({n} calls)" for where, ms, n in calls)
+            lines.append(f"- {row['front_end']}, {row['label']}: {shown}.")
+    return "\n".join(lines)
+
+
+def render_profile(results: dict) -> str:
+    rows = results["rows"]
+    first, switch, stop = results["profile_steps"]
+    head = (
+        f"Where rank 0's CPU time goes in a training step of the NLP recipe's {results['model']}, 2 CPU processes "
+        f'(gloo), the recipe\'s own command as in "peer-125m" with `preset=` the only change within a pair, '
+        f"{results['reps']} interleaved repetition{'s' if results['reps'] != 1 else ''} (bench/peer.py --profile, "
+        "bench/_step_phases.py). Phases: steps "
+        f"{first + 1}-{switch}; the functions of each phase are wrapped in the running process, and the time between "
+        "two of their calls or returns goes to the innermost phase open, the time with none open to `other` (the "
+        "front-end's loop, logging, data loading); the process's CPU time (every thread: gloo's threads count in "
+        "the phase that waits for them). Medians over repetitions. Then cProfile (own time by package, the main "
+        f"thread's CPU time) on steps {switch + 1}-{stop}, which slows the Python-heavy parts: read it for where, "
+        "not for how much (the time a collective's `Work.wait` blocks is charged to the bench's wrapper that calls "
+        "it, under bench + project)."
+    )
+    covered = results.get("phases", PHASES)  # what the run wrapped, as it recorded it
+    phases = "\n".join(f"- {phase}: {', '.join(f'`{t}`' for t in targets)}" for phase, targets in covered.items())
+    failed = [f"- {r['front_end']}, {r['label']}: did not run: `{r['error']}`" for r in rows if r["error"]]
+    overrides = [f"- {r['label']}: `ds_overrides={r['ds_override']}`" for r in rows if r["ds_override"]]
+    faults = all("minor_faults" in row_clocks(r) for r in rows if r["runs"])
+    body = [head, "", profile_phase_table(rows), "", profile_clock_table(rows), ""]
+    if faults:
+        body += [
+            "Minor page faults by phase: memory the process maps afresh (glibc serves an allocation above its mmap "
+            "threshold, at most 32 MiB, with new pages each time, which the first write faults in):",
+            "",
+            profile_phase_table(rows, "minor_faults"),
+            "",
+        ]
+    body += ["Where a ZeRO side's CPU time a step differs from FSDP2's (rank 0, medians):", "", profile_gap_text(rows)]
+    body += ["", profile_area_table(rows), "", "Most own time under cProfile (ms a step):", "", profile_top_text(rows)]
+    body += ["", "The functions each phase covers (both sides' where they do the same job):", "", phases]
+    body += [*(["", "The settings:", "", *overrides] if overrides else []), *([""] + failed if failed else [])]
+    return "\n".join(body)
+
+
 def render_sections(document: dict) -> dict[str, str]:
     """The "peer" section of docs/benchmarks.md from a peer.json document alone, or the "zero3-settings" section of
     docs/presets.md from a peer_settings.json one."""
     results = document["results"]
+    if results.get("mode") == "profile":
+        return {"peer-125m-profile": render_profile(results)}
     if results.get("mode") == "settings":
         return {"zero3-settings": render_settings(results)}
     section = "peer-125m" if results.get("mode") == "125m" else "peer"
@@ -685,7 +915,14 @@ def main() -> None:
     parser.add_argument(
         "--settings", action="store_true", help=f"NLP recipe, ZeRO-3 settings (default --json {SETTINGS_RESULTS.name})"
     )
-    parser.add_argument("--front-ends", nargs="+", choices=FRONT_ENDS, default=list(FRONT_ENDS), help="with --settings")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help=f"where rank 0's CPU time goes, ZeRO-2 vs fsdp2_grad_op (default --json {PROFILE_RESULTS.name})",
+    )
+    parser.add_argument(
+        "--front-ends", nargs="+", choices=FRONT_ENDS, default=list(FRONT_ENDS), help="with --settings or --profile"
+    )
     parser.add_argument(
         "--model",
         choices=list(MODEL_LABEL),
@@ -695,9 +932,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.model != "default" and (args.quick or args.settings):
         parser.error("--model 125m measures the NLP recipe's pairs: not with --quick or --settings")
+    if args.profile and (args.quick or args.settings):
+        parser.error("--profile measures the NLP recipe's stage-2 pair: not with --quick or --settings")
     if args.settings and args.json == RESULTS:
         args.json = SETTINGS_RESULTS
-    if args.model == "125m" and args.json == RESULTS:
+    if args.profile and args.json == RESULTS:
+        args.json = PROFILE_RESULTS
+    if args.model == "125m" and args.json == RESULTS:  # (not with --profile: set above)
         args.json = RESULTS_125M
     if args.render:
         render_from_file(args.json, render_sections, DOCS)
@@ -712,6 +953,17 @@ def main() -> None:
         results |= {"model": "default model", "settings": settings, "rows": rows}
         save_and_publish(args, results, render_sections, DOCS)
         print(render_settings(results))
+        return
+    if args.profile:  # the 125M config (--model 125m), or the recipe's default model to try the profiler quickly
+        with work_folder(args.work_dir, "zr-peer-profile-") as work:
+            model_args = ()
+            if args.model == "125m":
+                model_args = (*NLP_125M, f"tokenizer={shared_tokenizer(work / 'tokenizer-125m')}")
+            rows = measure_profile(args.front_ends, args.reps, work, args.lock, model_args)
+        results = {"mode": "profile", "reps": args.reps, "model": MODEL_LABEL[args.model], "rows": rows}
+        results |= {"profile_steps": list(PROFILE_STEPS), "phases": {phase: list(t) for phase, t in PHASES.items()}}
+        save_and_publish(args, results, render_sections, DOCS)
+        print(render_profile(results))
         return
     model_args: tuple[str, ...] = ()
     if args.quick:

@@ -50,6 +50,7 @@ RESULTS_BENCH = {
     "peer.json": "peer.py",
     "peer_settings.json": "peer.py",
     "peer_125m.json": "peer.py",
+    "peer_125m_profile.json": "peer.py",
 }
 PROVENANCE_KEYS = ("command", "git_commit", "date", "versions", "cpu_count")
 MACHINE_KEYS = ("cpu_model", "cpu_count", "memory_bytes", "disks")
