@@ -37,16 +37,18 @@ HEADINGS = {"benchmarks.md": "Benchmarks", "benchmarks_gpu.md": "GPU benchmarks"
 PROVENANCE_PACKAGES = ("torch", "deepspeed", "lightning", "accelerate", "transformers", "peft")
 
 
+# What the benches write themselves (results, docs, plots) is not the measured code.
+OUTPUTS = [":(exclude)bench/results", ":(exclude)docs"]
+
+
 def git_commit() -> str:
     """HEAD's hash, with "-dirty" when tracked code differs from it (the figures then came from uncommitted code)."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
-        # What the benches write themselves (results, docs, plots) does not make the measured code dirty.
-        outputs = [":(exclude)bench/results", ":(exclude)docs"]
         dirty = subprocess.run(
-            ["git", "diff", "--quiet", "HEAD", "--", ".", *outputs], cwd=REPO, capture_output=True
+            ["git", "diff", "--quiet", "HEAD", "--", ".", *OUTPUTS], cwd=REPO, capture_output=True
         ).returncode
     except (OSError, subprocess.CalledProcessError):
         # A copy of a clean checkout without its .git (a machine the tree was sent to): the sender names the commit.
@@ -55,6 +57,21 @@ def git_commit() -> str:
             return sent
         return "unknown (not a git checkout)"
     return head + ("-dirty" if dirty else "")
+
+
+def code_changed_since(commit: str) -> bool:
+    """Whether the working tree's code differs from ``commit``'s (results and docs aside): a commit of docs alone made
+    while a bench ran changes nothing it measured."""
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        return False  # "-dirty" or no checkout: said already
+    try:
+        return bool(
+            subprocess.run(
+                ["git", "diff", "--quiet", commit, "--", ".", *OUTPUTS], cwd=REPO, capture_output=True
+            ).returncode
+        )
+    except OSError:
+        return False
 
 
 def cpu_model() -> str:
@@ -124,13 +141,13 @@ def machine_facts(disks: dict[str, Path] | None = None) -> dict:
 
 
 # The commit a bench measures is the one its process started from: a long run's results are written minutes later,
-# when HEAD (or the working tree) may have moved on.
+# when HEAD (or the working tree's code) may have moved on.
 COMMIT_AT_START = git_commit()
 
 
 def provenance(argv: list[str] | None = None, disks: dict[str, Path] | None = None) -> dict:
     """Where a results file came from: the command line, the commit the bench started from (with "-dirty", or
-    "-changed-during-run" when HEAD or the tracked code differ at the end), date, library versions and the machine."""
+    "-changed-during-run" when the code differs from it at the end), date, library versions and the machine."""
     versions = {}
     for name in PROVENANCE_PACKAGES:
         try:
@@ -140,7 +157,7 @@ def provenance(argv: list[str] | None = None, disks: dict[str, Path] | None = No
     argv = sys.argv if argv is None else argv
     return {
         "command": shlex.join(["python", *[str(a) for a in argv]]),
-        "git_commit": COMMIT_AT_START + ("" if git_commit() == COMMIT_AT_START else "-changed-during-run"),
+        "git_commit": COMMIT_AT_START + ("-changed-during-run" if code_changed_since(COMMIT_AT_START) else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions,
         "python": sys.version.split()[0],

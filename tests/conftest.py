@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A hang report of a process given no run directory goes to $ZR_HANG_DIR, else ./hang: never the checkout's.
-os.environ.setdefault("ZR_HANG_DIR", tempfile.mkdtemp(prefix="zr-test-hang-"))
+os.environ.setdefault("ZR_HANG_DIR", os.path.join(tempfile.gettempdir(), "zr-test-hang"))
 
 
 @pytest.fixture

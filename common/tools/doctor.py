@@ -502,6 +502,11 @@ def buffer_elements(message_bytes: int, world: int, dtype: str) -> int:
 BUFFER_POOL_BYTES = 64 * 2**20
 
 
+# The timed calls run in rounds, each timed whole, and a collective's figure is the median round's time per call: on a
+# shared machine one burst of other work inflates a mean of all the calls (a training step is judged by its median).
+TIMING_ROUNDS = 5
+
+
 def buffer_slots(buffer_bytes: int, pool_bytes: int = BUFFER_POOL_BYTES) -> int:
     """How many buffers of ``buffer_bytes`` the rotation cycles through: enough to fill ``pool_bytes``."""
     return max(1, -(-pool_bytes // max(1, buffer_bytes)))
@@ -511,7 +516,8 @@ def _time_collective(
     op: str, message_bytes: int, iters: int, device: torch.device, group: Any = None, dtype: str = "fp32"
 ) -> float:
     """Seconds per call on a buffer of ``message_bytes`` holding ``dtype``, the slowest rank's (a collective ends when
-    its last rank does); each call on buffers not touched since the pool was filled (:data:`BUFFER_POOL_BYTES`)."""
+    its last rank does), the median of :data:`TIMING_ROUNDS` rounds of ``iters`` calls in all; each call on buffers
+    not touched since the pool was filled (:data:`BUFFER_POOL_BYTES`)."""
     world = dist.get_world_size(group)
     count = buffer_elements(message_bytes, world, dtype)
     element = torch.tensor([], dtype=TORCH_DTYPES[dtype]).element_size()
@@ -530,14 +536,19 @@ def _time_collective(
 
     once(slots - 1)  # warm-up: the slot the timed calls reach last (or never)
     _sync(device)
-    dist.barrier(group=group)
-    start = time.perf_counter()
-    for call in range(iters):
-        once(call)
-    _sync(device)
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return float(elapsed.item())
+    rounds = min(TIMING_ROUNDS, iters)
+    per_round = iters // rounds
+    seconds = []
+    for first in range(0, rounds * per_round, per_round):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for call in range(first, first + per_round):
+            once(call)
+        _sync(device)
+        seconds.append((time.perf_counter() - start) / per_round)
+    elapsed = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # each round ends when its slowest rank does
+    return float(elapsed.median())  # torch's lower median: a round a neighbour's burst slowed does not count
 
 
 def _matmul_speed(device: torch.device, reps: int = 3) -> float:

@@ -2,6 +2,7 @@
 commit the sender gives in ``ZR_GIT_COMMIT``, and nothing that is not a full hash; a results file names the commit
 its bench started from, and says so when the checkout moved on before it was written."""
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,11 +25,27 @@ def test_a_checkout_ignores_the_variable(monkeypatch):
     assert not _bench_util.git_commit().startswith("b" * 40)
 
 
-def test_the_commit_is_the_one_the_bench_started_from(monkeypatch):
-    """A long bench writes its results minutes after it started: a commit made meanwhile is not what it measured."""
-    now = _bench_util.git_commit()
-    monkeypatch.setattr(_bench_util, "COMMIT_AT_START", now)
-    assert _bench_util.provenance(["bench/x.py"])["git_commit"] == now
-    started = "c" * 40  # HEAD when the bench started; the checkout is elsewhere now
+def test_the_commit_is_the_one_the_bench_started_from(tmp_path, monkeypatch):
+    """A long bench writes its results minutes after it started: code changed meanwhile is not what it measured, and
+    the results say so; a commit of docs alone changes nothing it measured. On a checkout made here."""
+
+    def git(*args: str) -> str:
+        command = ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args]
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "train.py").write_text("steps = 1\n")
+    (tmp_path / "docs" / "results.md").write_text("before\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "measured")
+    monkeypatch.setattr(_bench_util, "REPO", tmp_path)
+    started = _bench_util.git_commit()
     monkeypatch.setattr(_bench_util, "COMMIT_AT_START", started)
+    (tmp_path / "docs" / "results.md").write_text("after\n")
+    git("commit", "-qam", "docs only")
+    assert _bench_util.provenance(["bench/x.py"])["git_commit"] == started  # HEAD moved, the code did not
+    (tmp_path / "train.py").write_text("steps = 2\n")
+    assert _bench_util.provenance(["bench/x.py"])["git_commit"] == started + "-changed-during-run"
+    git("commit", "-qam", "code")
     assert _bench_util.provenance(["bench/x.py"])["git_commit"] == started + "-changed-during-run"

@@ -192,6 +192,28 @@ def test_each_timed_call_moves_buffers_no_call_before_it_touched(monkeypatch, op
     assert seen[0] not in timed[: min(slots, iters) - 1]  # the warm-up's buffer is the last the rotation reaches
 
 
+def test_a_burst_of_other_work_during_one_round_does_not_move_the_figure(monkeypatch):
+    """On a clock that each real gloo call (one rank) moves by 1 ms, and one call by 100 ms (a neighbour's burst): the
+    figure is the median round's 1 ms a call, where the mean of all calls would say 6 ms."""
+    clock = {"now": 0.0, "calls": 0}
+    real = torch.distributed.all_gather_into_tensor
+
+    def slow_once(*args, **kwargs):
+        clock["calls"] += 1
+        clock["now"] += 0.1 if clock["calls"] == 4 else 1e-3  # the warm-up is call 1: call 4 is in the first round
+        return real(*args, **kwargs)
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(torch.distributed, "all_gather_into_tensor", slow_once)
+        monkeypatch.setattr(doctor.time, "perf_counter", lambda: clock["now"])
+        seconds = doctor._time_collective("all_gather", 4096, 20, torch.device("cpu"))
+    finally:
+        torch.distributed.destroy_process_group()
+    assert clock["calls"] == 21  # the warm-up and 20 timed calls, in 5 rounds of 4
+    assert seconds == pytest.approx(1e-3)
+
+
 def test_a_rank_more_than_ten_percent_behind_the_median_is_named():
     assert slow_ranks([100.0, 100.0, 85.0, 100.0]) == [2]
     assert slow_ranks([100.0, 95.0]) == []  # median 97.5: 95 is 2.6 % behind
