@@ -397,28 +397,29 @@ def time_rows(results: dict) -> list[dict]:
     return rows
 
 
-ASYNC_GATHER = "all_gather_into_tensor"  # stage 3's parameter gathers: logged at launch, waited for apart
+GATHER_OP = "all_gather_into_tensor"  # DeepSpeed's parameter gathers, whole when synchronous, launched when not
 
 
 def time_split(rep: dict, name: str, warmup: int) -> dict[str, float]:
     """Where a row's measured seconds a step go, on the rank that reached the collectives last (the least median
-    ``comm_s``), beside the plan's: the all-gathers' launches (DeepSpeed's log times only the launch of an asynchronous
-    gather) and the waits for them (the rest of ``comm_s``), and the synchronous collectives."""
+    ``comm_s``), beside the plan's: the parameter all-gathers as DeepSpeed logs them (stages 1-2 gather synchronously,
+    whole; stage 3's asynchronous gathers are logged at launch) and the waits for stage 3's (the rest of ``comm_s``),
+    and the other collectives."""
     (ranks,) = [rec for rec in rep["rows"] if rec[0]["name"] == name]
     counted = counted_steps(ranks, warmup)
     last = min(ranks, key=lambda r: statistics.median(r["steps"][i]["comm_s"] for i in counted))
     steps = [last["steps"][i] for i in counted]
-    launch = statistics.median(s["logged"].get(ASYNC_GATHER, {}).get("seconds", 0.0) for s in steps)
+    gathers = statistics.median(s["logged"].get(GATHER_OP, {}).get("seconds", 0.0) for s in steps)
     logged = statistics.median(sum(op["seconds"] for op in s["logged"].values()) for s in steps)
     links = links_from_doctor({"measured": rep["doctor"]}, world_size=len(ranks))
     plan = worker_plan(ranks[0], len(ranks))
-    gathers = sum(transfer_seconds(t, link_for(t, links, None)) for t in plan.transfers if t.collective == "all_gather")
+    planned = sum(transfer_seconds(t, link_for(t, links, None)) for t in plan.transfers if t.collective == "all_gather")
     return {
-        "gather_launch_s": launch,
+        "gather_logged_s": gathers,
         "gather_wait_s": statistics.median(s["comm_s"] for s in steps) - logged,
-        "sync_s": logged - launch,
-        "planned_gather_s": gathers,
-        "planned_sync_s": plan_seconds(plan, links) - gathers,
+        "other_s": logged - gathers,
+        "planned_gather_s": planned,
+        "planned_other_s": plan_seconds(plan, links) - planned,
     }
 
 
@@ -441,13 +442,13 @@ def time_verdict(timed: list[dict]) -> str:
     )
     for t in missed:
         part = {key: value * 1e3 for key, value in t.get("split", {}).items()}
-        if part.get("gather_launch_s"):
+        if part.get("gather_wait_s", 0) > 0:  # stage 3: gathers launched, then waited for
             text += (
                 f" Where {t['name']}'s measured time goes (ms a step, medians over the repetitions): DeepSpeed "
-                f"launches its per-parameter all-gathers in {part['gather_launch_s']:.1f} (each builds its buffer "
+                f"launches its per-parameter all-gathers in {part['gather_logged_s']:.1f} (each builds its buffer "
                 f"and starts the call, which a bare collective of doctor's does not) and waits for them "
                 f"{part['gather_wait_s']:.1f}, against {part['planned_gather_s']:.1f} planned for the gathers; its "
-                f"reduce-scatters and all-reduce take {part['sync_s']:.1f} against {part['planned_sync_s']:.1f} "
+                f"reduce-scatters and all-reduce take {part['other_s']:.1f} against {part['planned_other_s']:.1f} "
                 "planned."
             )
     return text + " The planner is not tuned toward these figures."
