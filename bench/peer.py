@@ -6,6 +6,7 @@
     python bench/peer.py --render    # rewrite docs/benchmarks.md's "peer" section from bench/results/peer.json
     python bench/peer.py --settings  # the NLP recipe under ZeRO-3 with one DeepSpeed setting changed per run
     python bench/peer.py --model 125m  # the NLP recipe's 125M config (bench/results/peer_125m.json), both front-ends
+    python bench/peer.py --model 125m --profile  # where rank 0's CPU time goes there, ZeRO-2 vs fsdp2_grad_op
 
 Each pair compares a ZeRO preset with the FSDP2 preset that shards the same states: ``deepspeed_stage_2`` with
 ``fsdp2_grad_op`` (weights whole between forward and backward) and ``deepspeed_stage_3`` with ``fsdp2`` (weights
@@ -934,6 +935,9 @@ def main() -> None:
         parser.error("--model 125m measures the NLP recipe's pairs: not with --quick or --settings")
     if args.profile and (args.quick or args.settings):
         parser.error("--profile measures the NLP recipe's stage-2 pair: not with --quick or --settings")
+    if args.profile and args.model != "125m" and not args.render:
+        # Its results file and section are the 125M config's: a default-model profile would be published as one.
+        parser.error("--profile measures the NLP recipe's 125M config: add --model 125m")
     if args.settings and args.json == RESULTS:
         args.json = SETTINGS_RESULTS
     if args.profile and args.json == RESULTS:
@@ -954,11 +958,9 @@ def main() -> None:
         save_and_publish(args, results, render_sections, DOCS)
         print(render_settings(results))
         return
-    if args.profile:  # the 125M config (--model 125m), or the recipe's default model to try the profiler quickly
+    if args.profile:
         with work_folder(args.work_dir, "zr-peer-profile-") as work:
-            model_args = ()
-            if args.model == "125m":
-                model_args = (*NLP_125M, f"tokenizer={shared_tokenizer(work / 'tokenizer-125m')}")
+            model_args = (*NLP_125M, f"tokenizer={shared_tokenizer(work / 'tokenizer-125m')}")
             rows = measure_profile(args.front_ends, args.reps, work, args.lock, model_args)
         results = {"mode": "profile", "reps": args.reps, "model": MODEL_LABEL[args.model], "rows": rows}
         results |= {"profile_steps": list(PROFILE_STEPS), "phases": {phase: list(t) for phase, t in PHASES.items()}}

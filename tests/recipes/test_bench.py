@@ -245,6 +245,8 @@ def test_peer_125m_mode_renders_its_own_section_and_refuses_the_other_modes(tmp_
     for other in ("--quick", "--settings"):
         proc = run([PYTHON, "bench/peer.py", "--model", "125m", other, "--work-dir", tmp_path], check=False)
         assert proc.returncode == 2 and "not with --quick or --settings" in proc.stderr, proc.stderr
+    proc = run([PYTHON, "bench/peer.py", "--profile", "--work-dir", tmp_path], check=False)
+    assert proc.returncode == 2 and "add --model 125m" in proc.stderr, proc.stderr  # its file is the 125M config's
     assert not list(tmp_path.iterdir())  # nothing ran
 
 
