@@ -47,9 +47,7 @@ def git_commit() -> str:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "diff", "--quiet", "HEAD", "--", ".", *OUTPUTS], cwd=REPO, capture_output=True
-        ).returncode
+        dirty = code_differs_from("HEAD")
     except (OSError, subprocess.CalledProcessError):
         # A copy of a clean checkout without its .git (a machine the tree was sent to): the sender names the commit.
         sent = os.environ.get("ZR_GIT_COMMIT", "")
@@ -59,17 +57,22 @@ def git_commit() -> str:
     return head + ("-dirty" if dirty else "")
 
 
+def code_differs_from(revision: str) -> bool:
+    """Whether the working tree's code differs from ``revision``'s, results and docs aside (OSError without git)."""
+    return bool(
+        subprocess.run(
+            ["git", "diff", "--quiet", revision, "--", ".", *OUTPUTS], cwd=REPO, capture_output=True
+        ).returncode
+    )
+
+
 def code_changed_since(commit: str) -> bool:
     """Whether the working tree's code differs from ``commit``'s (results and docs aside): a commit of docs alone made
     while a bench ran changes nothing it measured."""
     if not re.fullmatch(r"[0-9a-f]{40}", commit):
         return False  # "-dirty" or no checkout: said already
     try:
-        return bool(
-            subprocess.run(
-                ["git", "diff", "--quiet", commit, "--", ".", *OUTPUTS], cwd=REPO, capture_output=True
-            ).returncode
-        )
+        return code_differs_from(commit)
     except OSError:
         return False
 

@@ -55,6 +55,7 @@ from bench._bench_util import (  # noqa: E402
 from common.comms_log import comms_log_env, median_step, read_comms_log  # noqa: E402
 from common.communication import (  # noqa: E402
     CommPlan,
+    MeasuredLinks,
     link_for,
     links_from_doctor,
     plan_communication,
@@ -368,16 +369,17 @@ def time_rows(results: dict) -> list[dict]:
     warmup = results.get("timing_warmup", 1)
     timed = [rec[0]["name"] for rec in results["repetitions"][0]["rows"] if rec[0]["timed"]]
     for name in timed:
-        measured, slowest, planned = [], [], []
+        measured, slowest, planned, split = [], [], [], []
         for rep in results["repetitions"]:
             (ranks,) = [rec for rec in rep["rows"] if rec[0]["name"] == name]
             links = links_from_doctor({"measured": rep["doctor"]}, world_size=len(ranks))
+            plan = worker_plan(ranks[0], len(ranks))
             measured.append(last_arrival_seconds(ranks, warmup))
             # The slowest rank's median over the counted steps: transfer and waiting for the other ranks.
             counted = counted_steps(ranks, warmup)
             slowest.append(max(statistics.median(r["steps"][i]["comm_s"] for i in counted) for r in ranks))
-            planned.append(plan_seconds(worker_plan(ranks[0], len(ranks)), links))
-        split = [time_split(rep, name, warmup) for rep in results["repetitions"]]
+            planned.append(plan_seconds(plan, links))
+            split.append(time_split(ranks, counted, plan, links))
         ratios = [p / m for p, m in zip(planned, measured, strict=True)]
         low, high, coverage = median_interval(ratios)
         met = low >= 1 - TIME_BAR and high <= 1 + TIME_BAR
@@ -400,19 +402,15 @@ def time_rows(results: dict) -> list[dict]:
 GATHER_OP = "all_gather_into_tensor"  # DeepSpeed's parameter gathers, whole when synchronous, launched when not
 
 
-def time_split(rep: dict, name: str, warmup: int) -> dict[str, float]:
+def time_split(ranks: list[dict], counted: range, plan: CommPlan, links: MeasuredLinks) -> dict[str, float]:
     """Where a row's measured seconds a step go, on the rank that reached the collectives last (the least median
-    ``comm_s``), beside the plan's: the parameter all-gathers as DeepSpeed logs them (stages 1-2 gather synchronously,
-    whole; stage 3's asynchronous gathers are logged at launch) and the waits for stage 3's (the rest of ``comm_s``),
-    and the other collectives."""
-    (ranks,) = [rec for rec in rep["rows"] if rec[0]["name"] == name]
-    counted = counted_steps(ranks, warmup)
+    ``comm_s`` over the ``counted`` steps), beside the plan's: the parameter all-gathers as DeepSpeed logs them (stages
+    1-2 gather synchronously, whole; stage 3's asynchronous gathers are logged at launch) and the waits for stage 3's
+    (the rest of ``comm_s``), and the other collectives."""
     last = min(ranks, key=lambda r: statistics.median(r["steps"][i]["comm_s"] for i in counted))
     steps = [last["steps"][i] for i in counted]
     gathers = statistics.median(s["logged"].get(GATHER_OP, {}).get("seconds", 0.0) for s in steps)
     logged = statistics.median(sum(op["seconds"] for op in s["logged"].values()) for s in steps)
-    links = links_from_doctor({"measured": rep["doctor"]}, world_size=len(ranks))
-    plan = worker_plan(ranks[0], len(ranks))
     planned = sum(transfer_seconds(t, link_for(t, links, None)) for t in plan.transfers if t.collective == "all_gather")
     return {
         "gather_logged_s": gathers,

@@ -194,6 +194,12 @@ def area_of(filename: str, func: str = "") -> str:
     return "other python (stdlib, site-packages)"
 
 
+def call_row(key: tuple[str, int, str], ncalls: int, tottime: float, steps: int) -> list:
+    """One function of a cProfile dump: ``[where(function), own ms a step, calls a step]``."""
+    filename, line, func = key
+    return [f"{filename.split('site-packages/')[-1]}:{line}({func})", tottime * 1e3 / steps, round(ncalls / steps)]
+
+
 def breakdown(profile: Path, timed_steps: int, top: int = 8) -> dict:
     """CPU ms per step by area (own time), and the top framework functions by own time (ms/step, calls/step)."""
     stats = pstats.Stats(str(profile)).stats  # type: ignore[attr-defined]
@@ -203,8 +209,7 @@ def breakdown(profile: Path, timed_steps: int, top: int = 8) -> dict:
         area = area_of(filename, func)
         areas[area] = areas.get(area, 0.0) + tottime * 1e3 / timed_steps
         if area in ("lightning", "accelerate", "deepspeed") or "{method 'item'" in func or "all_reduce" in func:
-            where = filename.split("site-packages/")[-1]
-            framework.append([f"{where}:{line}({func})", tottime * 1e3 / timed_steps, round(ncalls / timed_steps)])
+            framework.append(call_row((filename, line, func), ncalls, tottime, timed_steps))
     framework.sort(key=lambda item: -item[1])
     return {"areas": areas, "framework_calls": framework[:top]}
 

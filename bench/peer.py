@@ -74,7 +74,7 @@ from bench._bench_util import (  # noqa: E402
 )
 from bench._collective_counter import read_rank_steps, steady_sent_bytes  # noqa: E402
 from bench._step_phases import CLOCKS, PHASES, phase_ms_per_step  # noqa: E402
-from bench.overhead import breakdown  # noqa: E402
+from bench.overhead import breakdown, call_row  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 from common.rundir import free_port, read_metrics  # noqa: E402
 from common.tools.probe import last_error_line  # noqa: E402
@@ -432,10 +432,7 @@ def measure_profile(
 def top_calls(profile: Path, steps: int, top: int = 10) -> list[list]:
     """The functions with the most own time in a cProfile dump: ``[where(function), ms a step, calls a step]``."""
     stats = pstats.Stats(str(profile)).stats  # type: ignore[attr-defined]
-    calls = [
-        [f"{filename.split('site-packages/')[-1]}:{line}({func})", tottime * 1e3 / steps, round(ncalls / steps)]
-        for (filename, line, func), (_, ncalls, tottime, _, _) in stats.items()
-    ]
+    calls = [call_row(key, ncalls, tottime, steps) for key, (_, ncalls, tottime, _, _) in stats.items()]
     return sorted(calls, key=lambda call: -call[1])[:top]
 
 
