@@ -8,7 +8,8 @@ CPU Adam under offload), trains ``--steps`` optimizer steps (a row's own ``steps
 random tokens with DeepSpeed's ``comms_logger`` on, and records per step: the logged calls (per op and message size,
 common.comms_log), the step's wall time, and the seconds the training thread spent in collectives: a synchronous
 call's logged latency plus the time it waited for stage 3's asynchronous all-gathers (``AllGather*Handle.wait``, timed
-here: the logger times only their launch).
+here: the logger times only their launch); and the same seconds call by call, in the order the rank made them
+(``calls``: op, message bytes, seconds), so that each call can be matched with the other ranks' same call.
 Rows run one after the other in one group; rank 0 writes every rank's records to OUT.json.
 """
 
@@ -29,6 +30,7 @@ from nlp.model import build_llama_config, build_model_from_config
 
 VOCAB, HIDDEN = 4096, 256
 WAITED = {"seconds": 0.0}  # time the training thread spent in AllGather*Handle.wait, this step
+CALLS: list[list] = []  # this step's calls in order: [op, message bytes, seconds] ("wait" for a handle's wait)
 
 
 def time_async_waits() -> None:
@@ -43,9 +45,28 @@ def time_async_waits() -> None:
             try:
                 return _wait(self, *args, **kwargs)
             finally:
-                WAITED["seconds"] += time.perf_counter() - start
+                waited = time.perf_counter() - start
+                WAITED["seconds"] += waited
+                CALLS.append(["wait", 0, waited])
 
         handle.wait = timed
+
+
+def record_each_call() -> None:
+    """Wrap DeepSpeed's ``comms_logger.append`` so that each logged call's own seconds join :data:`CALLS`.
+
+    The logger is handed the op timer's running total (common.comms_log.take_snapshot): a call's own time is the
+    difference from the total the op's previous call was handed."""
+    from deepspeed.comm.comm import comms_logger
+
+    append, totals = comms_logger.append, {}
+
+    def appended(raw_name, record_name, latency, msg_size):
+        CALLS.append([raw_name, int(msg_size), (latency - totals.get(record_name, 0.0)) / 1e3])
+        totals[record_name] = latency
+        return append(raw_name, record_name, latency, msg_size)
+
+    comms_logger.append = appended
 
 
 def build(row: dict, world: int, nvme: str) -> tuple:
@@ -83,8 +104,9 @@ def run_row(row: dict, steps: int, nvme: str) -> dict:
     records = []
     before = take_snapshot()  # DeepSpeed's op timers keep running totals: a row's steps are differences
     for _ in range(steps):
-        WAITED["seconds"] = 0.0
         torch.distributed.barrier()  # every rank starts the step together: waits are the step's, not the last one's
+        WAITED["seconds"] = 0.0
+        CALLS.clear()  # after the barrier: the barrier is no call of the step's
         start = time.perf_counter()
         for ids in batches:
             logits = engine(input_ids=ids).logits.float()
@@ -96,7 +118,8 @@ def run_row(row: dict, steps: int, nvme: str) -> dict:
         logged = snapshot_difference(before, after)
         before = after
         sync_seconds = sum(op["seconds"] for op in logged.values())
-        records.append({"logged": logged, "wall_s": wall, "comm_s": sync_seconds + WAITED["seconds"]})
+        calls = CALLS[:]
+        records.append({"logged": logged, "wall_s": wall, "comm_s": sync_seconds + WAITED["seconds"], "calls": calls})
     engine.destroy()
     return {
         "name": row["name"],
@@ -122,6 +145,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     comms_logger.enabled, comms_logger.prof_all = True, True
     time_async_waits()
+    record_each_call()
     rows = json.loads(Path(args.rows).read_text())
     results = []
     with tempfile.TemporaryDirectory(prefix="zr-nvme-") as nvme:

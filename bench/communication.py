@@ -16,14 +16,15 @@ parameters, bf16, micro-batch 2 x 64 tokens), 2 processes unless said:
   MoE, stage 2). The bar: planned within 5 % of the logged bytes of every collective of every row.
 - seconds: per stage row, the seconds the training thread spent in collectives per step (bench/_comm_worker.py:
   synchronous calls as logged, stage 3's asynchronous all-gathers by the time it waited for them, prefetch off so that
-  nothing overlaps) against the planner's seconds over the links ``zero-recipes doctor --collectives`` measured in the
-  same repetition: per collective and buffer dtype (the bf16 transfers at bf16's), each call priced at doctor's time for
-  its size, interpolated between the sizes doctor timed (DOCTOR_SIZES, which bracket the messages the rows move), each
-  timed on buffers outside the cache as a training step's are (common.tools.doctor.BUFFER_POOL_BYTES). The first
-  repetition runs every row (the bytes); each further one runs doctor and the timed rows only, ``--timed-steps``
-  optimizer steps each, the first ``TIMING_WARMUP`` not counted (stage 3 records its module trace in its second step)
-  and the median step taken. The bar: within 30 %, judged on the distribution-free interval of the median over
-  repetitions (bench/_bench_util.median_interval), as bench/checkpoint.py judges its bars.
+  nothing overlaps), each call counted on the rank that reached it last (last_arrivals), against the planner's seconds
+  over the links ``zero-recipes doctor --collectives`` measured in the same repetition: per collective and buffer
+  dtype (the bf16 transfers at bf16's), each call priced at doctor's time for its size, interpolated between the sizes
+  doctor timed (DOCTOR_SIZES, which bracket the messages the rows move), each timed on buffers outside the cache as a
+  training step's are (common.tools.doctor.BUFFER_POOL_BYTES). The first repetition runs every row (the bytes); each
+  further one runs doctor and the timed rows only, ``--timed-steps`` optimizer steps each, the first ``TIMING_WARMUP``
+  not counted (stage 3 records its module trace in its second step) and the median step taken. The bar: within 30 %,
+  judged on the distribution-free interval of the median over repetitions (bench/_bench_util.median_interval), as
+  bench/checkpoint.py judges its bars.
 
 Writes bench/results/communication.json (provenance included) and renders the section of docs/benchmarks.md.
 """
@@ -351,15 +352,32 @@ def counted_steps(ranks: list[dict], warmup: int) -> range:
     return range(min(warmup, steps - 1), steps)
 
 
-def last_arrival_seconds(ranks: list[dict], warmup: int = 1) -> float:
-    """A row's seconds in collectives per step without the waiting: per step the least of the ranks' logged seconds,
-    the median over the steps after the first ``warmup``.
+def last_arrivals(ranks: list[dict], step: int) -> list[tuple[str, float]]:
+    """A step's collectives without the waiting for other ranks: per call (op, seconds), the least of the ranks'
+    seconds for that call.
 
     DeepSpeed's logger times a call from its start to its end on each rank. A rank that reaches a collective first
     waits there for the others' compute before any byte moves; the rank that arrives last waits only for the transfer.
-    On 2 processes sharing 2 cores the ranks' compute drifts apart by milliseconds a step, so the slowest rank's time
-    holds that drift as well as the transfer the plan prices.
-    """
+    Which rank arrives last changes from call to call (stage 3's gathers and reduce-scatters sit between layers whose
+    compute drifts by a millisecond either way on 2 processes sharing 2 cores), so the least is taken per call: the
+    least of the ranks' sums over the step would still hold every wait of the calls that rank reached first. A step
+    whose ranks logged different calls (never seen: DeepSpeed's schedule is the same on every rank) falls back to the
+    rank with the least sum, as one call."""
+    calls = [r["steps"][step]["calls"] for r in ranks]
+    if len({tuple(op for op, _, _ in c) for c in calls}) != 1:
+        return [("step", min(r["steps"][step]["comm_s"] for r in ranks))]
+    return [(same[0][0], min(seconds for _, _, seconds in same)) for same in zip(*calls, strict=True)]
+
+
+def last_arrival_seconds(ranks: list[dict], warmup: int = 1) -> float:
+    """A row's seconds in collectives per step without the waiting (:func:`last_arrivals`), the median over the steps
+    after the first ``warmup``."""
+    return statistics.median(sum(s for _, s in last_arrivals(ranks, i)) for i in counted_steps(ranks, warmup))
+
+
+def least_rank_seconds(ranks: list[dict], warmup: int = 1) -> float:
+    """Per step the least of the ranks' sums, the median over the counted steps: the measure before the calls were
+    matched (:func:`last_arrivals` says what it still holds), shown beside it."""
     return statistics.median(min(r["steps"][i]["comm_s"] for r in ranks) for i in counted_steps(ranks, warmup))
 
 
@@ -369,12 +387,13 @@ def time_rows(results: dict) -> list[dict]:
     warmup = results.get("timing_warmup", 1)
     timed = [rec[0]["name"] for rec in results["repetitions"][0]["rows"] if rec[0]["timed"]]
     for name in timed:
-        measured, slowest, planned, split = [], [], [], []
+        measured, least_rank, slowest, planned, split = [], [], [], [], []
         for rep in results["repetitions"]:
             (ranks,) = [rec for rec in rep["rows"] if rec[0]["name"] == name]
             links = links_from_doctor({"measured": rep["doctor"]}, world_size=len(ranks))
             plan = worker_plan(ranks[0], len(ranks))
             measured.append(last_arrival_seconds(ranks, warmup))
+            least_rank.append(least_rank_seconds(ranks, warmup))
             # The slowest rank's median over the counted steps: transfer and waiting for the other ranks.
             counted = counted_steps(ranks, warmup)
             slowest.append(max(statistics.median(r["steps"][i]["comm_s"] for i in counted) for r in ranks))
@@ -387,6 +406,7 @@ def time_rows(results: dict) -> list[dict]:
             {
                 "name": name,
                 "measured_s": measured,
+                "least_rank_s": least_rank,
                 "slowest_rank_s": slowest,
                 "planned_s": planned,
                 "ratio": statistics.median(ratios),
@@ -400,22 +420,25 @@ def time_rows(results: dict) -> list[dict]:
 
 
 GATHER_OP = "all_gather_into_tensor"  # DeepSpeed's parameter gathers, whole when synchronous, launched when not
+WAIT_OP = "wait"  # bench/_comm_worker.py's name for the wait on an asynchronous gather
+SPLIT_OPS = {GATHER_OP, WAIT_OP}
 
 
 def time_split(ranks: list[dict], counted: range, plan: CommPlan, links: MeasuredLinks) -> dict[str, float]:
-    """Where a row's measured seconds a step go, on the rank that reached the collectives last (the least median
-    ``comm_s`` over the ``counted`` steps), beside the plan's: the parameter all-gathers as DeepSpeed logs them (stages
-    1-2 gather synchronously, whole; stage 3's asynchronous gathers are logged at launch) and the waits for stage 3's
-    (the rest of ``comm_s``), and the other collectives."""
-    last = min(ranks, key=lambda r: statistics.median(r["steps"][i]["comm_s"] for i in counted))
-    steps = [last["steps"][i] for i in counted]
-    gathers = statistics.median(s["logged"].get(GATHER_OP, {}).get("seconds", 0.0) for s in steps)
-    logged = statistics.median(sum(op["seconds"] for op in s["logged"].values()) for s in steps)
+    """Where a row's measured seconds a step go, call by call as :func:`last_arrivals` counts them, beside the plan's:
+    the parameter all-gathers as DeepSpeed logs them (stages 1-2 gather synchronously, whole; stage 3's asynchronous
+    gathers are logged at launch), the waits for stage 3's, and the other collectives (medians over the steps)."""
+
+    def part(step: int, wanted: set[str] | None) -> float:
+        return sum(s for op, s in last_arrivals(ranks, step) if (op in wanted if wanted else op not in SPLIT_OPS))
+
+    gathers = statistics.median(part(i, {GATHER_OP}) for i in counted)
+    waits = statistics.median(part(i, {WAIT_OP}) for i in counted)
     planned = sum(transfer_seconds(t, link_for(t, links, None)) for t in plan.transfers if t.collective == "all_gather")
     return {
         "gather_logged_s": gathers,
-        "gather_wait_s": statistics.median(s["comm_s"] for s in steps) - logged,
-        "other_s": logged - gathers,
+        "gather_wait_s": waits,
+        "other_s": statistics.median(part(i, None) for i in counted),
         "planned_gather_s": planned,
         "planned_other_s": plan_seconds(plan, links) - planned,
     }
@@ -528,13 +551,16 @@ def render_body(results: dict) -> str:
             f"then the stage rows, {steps} optimizer steps a row of which {warmup} warm-up not counted, the median "
             "step; "
             f"the bar: planned / measured within {TIME_BAR:.0%}, judged on the median's interval over the "
-            "repetitions). Measured: per step the least of the ranks' logged seconds, the rank that reached the "
-            "collectives last and so waited for no other rank's compute; the slowest rank's figure, transfer and "
-            "waiting, is beside it:",
+            "repetitions). Measured: per call the least of the ranks' seconds, the rank that reached that call "
+            "last and so waited for no other rank's compute, summed over the step's calls (`last_arrivals`: the "
+            "rank that arrives last changes from call to call). Beside it, per step the least of the ranks' sums, "
+            "which still holds the waits of the calls that rank reached first, and the slowest rank's sum, transfer "
+            "and waiting:",
             "",
             *table_head(
                 "stage row",
                 "measured s/step (median)",
+                "least rank's sum s/step",
                 "slowest rank s/step",
                 "planned s/step",
                 "planned / measured",
@@ -547,7 +573,8 @@ def render_body(results: dict) -> str:
             low, high, coverage = t["interval"]
             lines.append(
                 f"| {t['name']} | {statistics.median(t['measured_s']):.4f} | "
-                f"{statistics.median(t['slowest_rank_s']):.4f} | {statistics.median(t['planned_s']):.4f} | "
+                f"{statistics.median(t['least_rank_s']):.4f} | {statistics.median(t['slowest_rank_s']):.4f} | "
+                f"{statistics.median(t['planned_s']):.4f} | "
                 f"{t['ratio']:.2f} | {low:.2f}-{high:.2f} ({coverage:.1%}) | {t['spread'][0]:.2f}-{t['spread'][1]:.2f}"
                 f" | {'met' if t['met'] else 'not met'} |"
             )

@@ -53,6 +53,13 @@ def test_small_mode_plans_every_logged_byte_within_the_bar(tmp_path):
         assert part["gather_logged_s"] + part["gather_wait_s"] + part["other_s"] == pytest.approx(t["measured_s"][0])
         assert part["planned_gather_s"] + part["planned_other_s"] == pytest.approx(t["planned_s"][0])
         assert part["gather_logged_s"] > 0 and part["planned_gather_s"] > 0 and part["other_s"] > 0
+    # The worker's call-by-call seconds (its own wrapper of the logger) add up to the logger's totals per step, and on
+    # the same calls as the logger counted: what the per-call measure matches across ranks is what DeepSpeed ran.
+    for record in (rec for ranks in written["repetitions"][0]["rows"] for rec in ranks if rec["timed"]):
+        for step in record["steps"]:
+            assert sum(s for _, _, s in step["calls"]) == pytest.approx(step["comm_s"], rel=1e-6, abs=1e-9)
+            logged = sum(sum(op["calls"].values()) for op in step["logged"].values())
+            assert sum(1 for op, _, _ in step["calls"] if op != "wait") == logged
     split2, split3 = (t["split"] for t in timed)
     assert split2["gather_wait_s"] == 0 < split3["gather_wait_s"]  # stage 2 gathers synchronously, stage 3 waits
     body = render_sections({"results": written})[SECTION]

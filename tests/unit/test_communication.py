@@ -458,3 +458,22 @@ def test_a_partly_frozen_model_is_planned_from_its_trainable_elements_under_stag
     p = plan_communication(lora, CommSetup(stage=2, precision="bf16"), TWO)
     gradients = next(t for t in p.transfers if t.purpose.startswith("gradients"))
     assert gradients.message_bytes == 2 * 600 and p.message_bytes("all_gather") == 2 * 300
+
+
+def test_the_bench_counts_each_call_on_the_rank_that_reached_it_last():
+    """Two ranks that take turns arriving last: rank 0 waits 5 ms for rank 1 at the gather, rank 1 waits 7 ms for
+    rank 0 at the reduce-scatter; the transfers took 1 and 2 ms. Per call the least is the transfer alone (3 ms); the
+    least of the ranks' sums still holds one wait (8 ms)."""
+    from bench.communication import last_arrival_seconds, last_arrivals, least_rank_seconds
+
+    def rank(gather: float, scatter: float) -> dict:
+        calls = [["all_gather_into_tensor", 4096, gather], ["reduce_scatter_tensor", 8192, scatter]]
+        return {"steps": [{"calls": calls, "comm_s": gather + scatter}] * 2}
+
+    ranks = [rank(0.006, 0.002), rank(0.001, 0.009)]
+    assert last_arrivals(ranks, 1) == [("all_gather_into_tensor", 0.001), ("reduce_scatter_tensor", 0.002)]
+    assert last_arrival_seconds(ranks) == pytest.approx(0.003)
+    assert least_rank_seconds(ranks) == pytest.approx(0.008)
+    # Ranks that logged different calls are not matched call by call: the rank with the least sum, as one call.
+    ranks[1]["steps"] = [{"calls": ranks[1]["steps"][0]["calls"][:1], "comm_s": 0.004}] * 2
+    assert last_arrivals(ranks, 1) == [("step", 0.004)]
