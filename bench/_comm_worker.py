@@ -8,8 +8,8 @@ CPU Adam under offload), trains ``--steps`` optimizer steps (a row's own ``steps
 random tokens with DeepSpeed's ``comms_logger`` on, and records per step: the logged calls (per op and message size,
 common.comms_log), the step's wall time, and the seconds the training thread spent in collectives: a synchronous
 call's logged latency plus the time it waited for stage 3's asynchronous all-gathers (``AllGather*Handle.wait``, timed
-here: the logger times only their launch); and the same seconds call by call, in the order the rank made them
-(``calls``: op, message bytes, seconds), so that each call can be matched with the other ranks' same call.
+here: the logger times only their launch); and, for a timed row, the same seconds call by call in the order the rank
+made them (``calls``: op, message bytes, seconds), so that each call can be matched with the other ranks' same call.
 Rows run one after the other in one group; rank 0 writes every rank's records to OUT.json.
 """
 
@@ -30,7 +30,8 @@ from nlp.model import build_llama_config, build_model_from_config
 
 VOCAB, HIDDEN = 4096, 256
 WAITED = {"seconds": 0.0}  # time the training thread spent in AllGather*Handle.wait, this step
-CALLS: list[list] = []  # this step's calls in order: [op, message bytes, seconds] ("wait" for a handle's wait)
+# This step's calls in order: [op, message bytes, seconds to 0.1 us] ("wait": a handle's wait, bytes 0).
+CALLS: list[list] = []
 
 
 def time_async_waits() -> None:
@@ -47,7 +48,7 @@ def time_async_waits() -> None:
             finally:
                 waited = time.perf_counter() - start
                 WAITED["seconds"] += waited
-                CALLS.append(["wait", 0, waited])
+                CALLS.append(["wait", 0, round(waited, 7)])
 
         handle.wait = timed
 
@@ -62,7 +63,7 @@ def record_each_call() -> None:
     append, totals = comms_logger.append, {}
 
     def appended(raw_name, record_name, latency, msg_size):
-        CALLS.append([raw_name, int(msg_size), (latency - totals.get(record_name, 0.0)) / 1e3])
+        CALLS.append([raw_name, int(msg_size), round((latency - totals.get(record_name, 0.0)) / 1e3, 7)])
         totals[record_name] = latency
         return append(raw_name, record_name, latency, msg_size)
 
@@ -118,8 +119,10 @@ def run_row(row: dict, steps: int, nvme: str) -> dict:
         logged = snapshot_difference(before, after)
         before = after
         sync_seconds = sum(op["seconds"] for op in logged.values())
-        calls = CALLS[:]
-        records.append({"logged": logged, "wall_s": wall, "comm_s": sync_seconds + WAITED["seconds"], "calls": calls})
+        record = {"logged": logged, "wall_s": wall, "comm_s": sync_seconds + WAITED["seconds"]}
+        if row.get("timed"):  # only the timed rows' seconds are compared
+            record["calls"] = CALLS[:]
+        records.append(record)
     engine.destroy()
     return {
         "name": row["name"],

@@ -57,7 +57,8 @@ def test_small_mode_plans_every_logged_byte_within_the_bar(tmp_path):
     # the same calls as the logger counted: what the per-call measure matches across ranks is what DeepSpeed ran.
     for record in (rec for ranks in written["repetitions"][0]["rows"] for rec in ranks if rec["timed"]):
         for step in record["steps"]:
-            assert sum(s for _, _, s in step["calls"]) == pytest.approx(step["comm_s"], rel=1e-6, abs=1e-9)
+            # Each call's seconds are written to 0.1 us.
+            assert sum(s for _, _, s in step["calls"]) == pytest.approx(step["comm_s"], abs=1e-7 * len(step["calls"]))
             logged = sum(sum(op["calls"].values()) for op in step["logged"].values())
             assert sum(1 for op, _, _ in step["calls"] if op != "wait") == logged
     split2, split3 = (t["split"] for t in timed)

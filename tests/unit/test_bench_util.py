@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from bench._bench_util import (  # noqa: E402
     bench_parser,
     median_and_range,
     publish_document,
+    results_json,
     torchrun_command,
     work_folder,
 )
@@ -56,3 +58,24 @@ def test_publish_document_stamps_each_section_with_the_documents_own_provenance(
 def test_median_and_range_prints_the_median_between_the_extremes_of_the_repetitions():
     assert median_and_range([1.07, 0.98, 1.03]) == "1.03 (0.98-1.07)"
     assert median_and_range([2.0, 1.0, 4.0, 3.0], digits=3) == "2.500 (1.000-4.000)"  # even count: the middle two
+
+
+def test_a_results_file_reads_back_as_written_with_each_list_of_plain_values_on_one_line():
+    document = {
+        "provenance": {"command": "python bench/x.py", "versions": {}},
+        "results": {
+            "steps": [{"calls": [["wait", 0, 0.001], ["all_gather_into_tensor", 4096, 1e-05]], "n": 2}],
+            "empty": [],
+            "nested": [[1, 2], [3, 4]],
+            "none": None,
+            "flag": True,
+            "text": 'a"b',
+        },
+    }
+    text = results_json(document)
+    assert json.loads(text) == document
+    calls = '        "calls": [\n          ["wait", 0, 0.001],\n          ["all_gather_into_tensor", 4096, 1e-05]\n'
+    assert calls in text
+    # Without a list of plain values, the text is json.dumps(indent=2)'s.
+    plain = {"a": {"b": 1, "c": {}}, "d": [{"e": "f"}], "g": 1.5}
+    assert results_json(plain) == json.dumps(plain, indent=2)
