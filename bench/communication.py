@@ -369,16 +369,16 @@ def last_arrivals(ranks: list[dict], step: int) -> list[tuple[str, float]]:
     return [(same[0][0], min(seconds for _, _, seconds in same)) for same in zip(*calls, strict=True)]
 
 
-def last_arrival_seconds(ranks: list[dict], warmup: int = 1) -> float:
-    """A row's seconds in collectives per step without the waiting (:func:`last_arrivals`), the median over the steps
-    after the first ``warmup``."""
-    return statistics.median(sum(s for _, s in last_arrivals(ranks, i)) for i in counted_steps(ranks, warmup))
+def last_arrival_seconds(arrivals: list[list[tuple[str, float]]]) -> float:
+    """A row's seconds in collectives per step without the waiting: the median over its counted steps of each step's
+    :func:`last_arrivals`, summed."""
+    return statistics.median(sum(s for _, s in calls) for calls in arrivals)
 
 
-def least_rank_seconds(ranks: list[dict], warmup: int = 1) -> float:
+def least_rank_seconds(ranks: list[dict], counted: range) -> float:
     """Per step the least of the ranks' sums, the median over the counted steps: the measure before the calls were
     matched (:func:`last_arrivals` says what it still holds), shown beside it."""
-    return statistics.median(min(r["steps"][i]["comm_s"] for r in ranks) for i in counted_steps(ranks, warmup))
+    return statistics.median(min(r["steps"][i]["comm_s"] for r in ranks) for i in counted)
 
 
 def time_rows(results: dict) -> list[dict]:
@@ -392,13 +392,14 @@ def time_rows(results: dict) -> list[dict]:
             (ranks,) = [rec for rec in rep["rows"] if rec[0]["name"] == name]
             links = links_from_doctor({"measured": rep["doctor"]}, world_size=len(ranks))
             plan = worker_plan(ranks[0], len(ranks))
-            measured.append(last_arrival_seconds(ranks, warmup))
-            least_rank.append(least_rank_seconds(ranks, warmup))
-            # The slowest rank's median over the counted steps: transfer and waiting for the other ranks.
             counted = counted_steps(ranks, warmup)
+            arrivals = [last_arrivals(ranks, i) for i in counted]
+            measured.append(last_arrival_seconds(arrivals))
+            least_rank.append(least_rank_seconds(ranks, counted))
+            # The slowest rank's median over the counted steps: transfer and waiting for the other ranks.
             slowest.append(max(statistics.median(r["steps"][i]["comm_s"] for i in counted) for r in ranks))
             planned.append(plan_seconds(plan, links))
-            split.append(time_split(ranks, counted, plan, links))
+            split.append(time_split(arrivals, plan, links))
         ratios = [p / m for p, m in zip(planned, measured, strict=True)]
         low, high, coverage = median_interval(ratios)
         met = low >= 1 - TIME_BAR and high <= 1 + TIME_BAR
@@ -419,26 +420,27 @@ def time_rows(results: dict) -> list[dict]:
     return rows
 
 
-GATHER_OP = "all_gather_into_tensor"  # DeepSpeed's parameter gathers, whole when synchronous, launched when not
-WAIT_OP = "wait"  # bench/_comm_worker.py's name for the wait on an asynchronous gather
-SPLIT_OPS = {GATHER_OP, WAIT_OP}
+# The part of a row's measured seconds each logged op goes to (time_split); any other op is "other_s".
+SPLIT_PART = {
+    "all_gather_into_tensor": "gather_logged_s",  # parameter gathers: whole when synchronous, launched when not
+    "wait": "gather_wait_s",  # bench/_comm_worker.py's name for the wait on an asynchronous gather
+}
 
 
-def time_split(ranks: list[dict], counted: range, plan: CommPlan, links: MeasuredLinks) -> dict[str, float]:
-    """Where a row's measured seconds a step go, call by call as :func:`last_arrivals` counts them, beside the plan's:
-    the parameter all-gathers as DeepSpeed logs them (stages 1-2 gather synchronously, whole; stage 3's asynchronous
-    gathers are logged at launch), the waits for stage 3's, and the other collectives (medians over the steps)."""
-
-    def part(step: int, wanted: set[str] | None) -> float:
-        return sum(s for op, s in last_arrivals(ranks, step) if (op in wanted if wanted else op not in SPLIT_OPS))
-
-    gathers = statistics.median(part(i, {GATHER_OP}) for i in counted)
-    waits = statistics.median(part(i, {WAIT_OP}) for i in counted)
+def time_split(arrivals: list[list[tuple[str, float]]], plan: CommPlan, links: MeasuredLinks) -> dict[str, float]:
+    """Where a row's measured seconds a step go, call by call as :func:`last_arrivals` counts them (``arrivals``: one
+    list per counted step), beside the plan's: the parameter all-gathers as DeepSpeed logs them (stages 1-2 gather
+    synchronously, whole; stage 3's asynchronous gathers are logged at launch), the waits for stage 3's, and the other
+    collectives (medians over the steps)."""
+    steps = []
+    for calls in arrivals:
+        parts = dict.fromkeys(("gather_logged_s", "gather_wait_s", "other_s"), 0.0)
+        for op, seconds in calls:
+            parts[SPLIT_PART.get(op, "other_s")] += seconds
+        steps.append(parts)
     planned = sum(transfer_seconds(t, link_for(t, links, None)) for t in plan.transfers if t.collective == "all_gather")
     return {
-        "gather_logged_s": gathers,
-        "gather_wait_s": waits,
-        "other_s": statistics.median(part(i, None) for i in counted),
+        **{key: statistics.median(parts[key] for parts in steps) for key in steps[0]},
         "planned_gather_s": planned,
         "planned_other_s": plan_seconds(plan, links) - planned,
     }
