@@ -29,8 +29,8 @@ from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
 from nlp.model import build_llama_config, build_model_from_config
 
 VOCAB, HIDDEN = 4096, 256
-WAITED = {"seconds": 0.0}  # time the training thread spent in AllGather*Handle.wait, this step
-# This step's calls in order: [op, message bytes, seconds to 0.1 us] ("wait": a handle's wait, bytes 0).
+# This step's calls in order: [op, message bytes, seconds] ("wait": the training thread blocked on an
+# AllGather*Handle, bytes 0).
 CALLS: list[list] = []
 
 
@@ -46,9 +46,7 @@ def time_async_waits() -> None:
             try:
                 return _wait(self, *args, **kwargs)
             finally:
-                waited = time.perf_counter() - start
-                WAITED["seconds"] += waited
-                CALLS.append(["wait", 0, round(waited, 7)])
+                CALLS.append(["wait", 0, time.perf_counter() - start])
 
         handle.wait = timed
 
@@ -63,7 +61,7 @@ def record_each_call() -> None:
     append, totals = comms_logger.append, {}
 
     def appended(raw_name, record_name, latency, msg_size):
-        CALLS.append([raw_name, int(msg_size), round((latency - totals.get(record_name, 0.0)) / 1e3, 7)])
+        CALLS.append([raw_name, int(msg_size), (latency - totals.get(record_name, 0.0)) / 1e3])
         totals[record_name] = latency
         return append(raw_name, record_name, latency, msg_size)
 
@@ -106,8 +104,7 @@ def run_row(row: dict, steps: int, nvme: str) -> dict:
     before = take_snapshot()  # DeepSpeed's op timers keep running totals: a row's steps are differences
     for _ in range(steps):
         torch.distributed.barrier()  # every rank starts the step together: waits are the step's, not the last one's
-        WAITED["seconds"] = 0.0
-        CALLS.clear()  # after the barrier: the barrier is no call of the step's
+        CALLS.clear()
         start = time.perf_counter()
         for ids in batches:
             logits = engine(input_ids=ids).logits.float()
@@ -119,9 +116,10 @@ def run_row(row: dict, steps: int, nvme: str) -> dict:
         logged = snapshot_difference(before, after)
         before = after
         sync_seconds = sum(op["seconds"] for op in logged.values())
-        record = {"logged": logged, "wall_s": wall, "comm_s": sync_seconds + WAITED["seconds"]}
-        if row.get("timed"):  # only the timed rows' seconds are compared
-            record["calls"] = CALLS[:]
+        waited = sum(seconds for op, _, seconds in CALLS if op == "wait")
+        record = {"logged": logged, "wall_s": wall, "comm_s": sync_seconds + waited}
+        if row.get("timed"):  # only the timed rows' seconds are compared; written to 0.1 us
+            record["calls"] = [[op, size, round(seconds, 7)] for op, size, seconds in CALLS]
         records.append(record)
     engine.destroy()
     return {
