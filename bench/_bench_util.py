@@ -184,7 +184,9 @@ def results_json(value: Any, indent: int = 0) -> str:
     stays a fraction of the size."""
     pad, inner = " " * indent, " " * (indent + 2)
     if isinstance(value, dict) and value:
-        items = [f"{inner}{json.dumps(str(k))}: {results_json(v, indent + 2)}" for k, v in value.items()]
+        # A key that is not a string is written as json writes it (True -> "true"), then quoted.
+        keys = [k if isinstance(k, str) else json.dumps(k) for k in value]
+        items = [f"{inner}{json.dumps(k)}: {results_json(v, indent + 2)}" for k, v in zip(keys, value.values())]
         return "{\n" + ",\n".join(items) + f"\n{pad}}}"
     if isinstance(value, (list, tuple)) and value and any(isinstance(v, (dict, list, tuple)) for v in value):
         return "[\n" + ",\n".join(f"{inner}{results_json(v, indent + 2)}" for v in value) + f"\n{pad}]"

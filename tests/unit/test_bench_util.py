@@ -77,5 +77,5 @@ def test_a_results_file_reads_back_as_written_with_each_list_of_plain_values_on_
     calls = '        "calls": [\n          ["wait", 0, 0.001],\n          ["all_gather_into_tensor", 4096, 1e-05]\n'
     assert calls in text
     # Without a list of plain values, the text is json.dumps(indent=2)'s.
-    plain = {"a": {"b": 1, "c": {}}, "d": [{"e": "f"}], "g": 1.5}
+    plain = {"a": {"b": 1, "c": {}}, "d": [{"e": "f"}], "g": 1.5, "keys": {3: 0, 2.5: 0, True: 0, None: 0}}
     assert results_json(plain) == json.dumps(plain, indent=2)
