@@ -25,6 +25,7 @@ import torch
 
 from common.comms_log import snapshot_difference, take_snapshot
 from common.host_memory import keep_freed_memory
+from common.process_setup import end_process_group
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
 from nlp.model import build_llama_config, build_model_from_config
 
@@ -157,6 +158,7 @@ def main() -> None:
             results.append(everyone)
     if torch.distributed.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results) + "\n")
+    end_process_group()  # on gloo, a process that exits the moment its work is done can abort
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from common import sequence_parallel  # noqa: E402
 from common.activation import checkpoint_offload  # noqa: E402
 from common.config import load_config  # noqa: E402
 from common.metrics import gpu_peak_flops, median, mfu, peak_memory_bytes  # noqa: E402
+from common.process_setup import end_process_group  # noqa: E402
 from nlp.model import flops_per_token, resolve_attention  # noqa: E402
 
 # Tests only: the variant so named sleeps inside its process group instead of training (a hang, on a CPU), beside a
@@ -132,6 +133,7 @@ def main() -> None:
     }
     if rank == 0:  # peak memory: rank 0's (every rank holds the same share)
         out.write_text(json.dumps(result))
+    end_process_group()  # on gloo, a process that exits the moment its work is done can abort
 
 
 if __name__ == "__main__":

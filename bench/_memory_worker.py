@@ -21,6 +21,7 @@ import torch
 
 from common.accounting import _walk_tensors, model_state_bytes
 from common.memory_formulas import count_module
+from common.process_setup import end_process_group
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
 from nlp.model import build_llama_config, build_model_from_config
 
@@ -143,6 +144,7 @@ def main() -> None:
     rows = [one_step(shape, stage) for shape in SHAPES for stage in STAGE_PRESETS]
     if torch.distributed.get_rank() == 0:
         Path(args.out).write_text(json.dumps(rows))
+    end_process_group()  # on gloo, a process that exits the moment its work is done can abort
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 import deepspeed
 import torch
 
+from common.process_setup import end_process_group
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
 
 MICRO_BATCH = 8
@@ -105,6 +106,7 @@ def main() -> None:
         }
         Path(args.out).write_text(json.dumps(record))
     torch.distributed.barrier()
+    end_process_group()  # on gloo, a process that exits the moment its work is done can abort
 
 
 if __name__ == "__main__":

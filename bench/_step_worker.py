@@ -36,6 +36,7 @@ import torch
 from common.accounting import model_state_bytes
 from common.hang import watchdog_cost
 from common.host_memory import keep_freed_memory, keeps_freed_memory_by_default
+from common.process_setup import end_process_group
 from common.strategy import RunFacts, make_optimizer, resolve_deepspeed_config
 from nlp.model import build_llama_config, build_model_from_config
 
@@ -267,6 +268,7 @@ def main() -> None:
         result = {"backend": args.backend, "preset": args.preset, "step_times": times["wall"], "ranks": ranks}
         result["profile_after"] = PROFILE_AFTER
         Path(args.out).write_text(json.dumps(result))
+    end_process_group()  # on gloo, a process that exits the moment its work is done can abort
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from common.hang import HANG_FOLDER, analyze, format_diagnosis, rank_line, read_
 from common.lint import RULES, LintView
 from common.memory_formulas import parse_bytes
 from common.nvme_storage import async_io_problem
+from common.process_setup import end_process_group
 from common.tools.options import positive_int, refuse_outside_mode
 from common.version_window import OutsideWindow, installed_outside_window
 
@@ -912,7 +913,7 @@ def cmd_collectives(args: Any) -> int:
         print(f"\nwrote {out / 'doctor.json'}" + (f" and {picture}" if picture else ""))
         return 0
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def cmd_hang(run_dir: Path) -> int:

@@ -45,7 +45,7 @@ from common.async_checkpoint import make_checkpointer
 from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce, barrier, grad_norm
-from common.process_setup import setup_process
+from common.process_setup import end_process_group, setup_process
 from common.resume import find_resume_point, mark_universal, param_groups_kept, prepare_resume, with_universal_load
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
 from common.strategy import AccelerateCheckpointIO, accelerator_kwargs, gradient_norm, make_optimizer, shard_model
@@ -164,7 +164,8 @@ def main() -> None:
     if summary is not None:  # rank 0
         write_json_atomic(out_dir / "summary.json", summary.to_json())
         print(summary.headline(out_dir), flush=True)
-    accelerator.end_training()
+    end_process_group()  # on gloo, a process that exits the moment its work is done can abort a healthy run
+    accelerator.end_training()  # the trackers; the process group is already gone
 
 
 if __name__ == "__main__":

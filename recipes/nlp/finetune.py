@@ -81,7 +81,7 @@ from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
 from common.metrics import Clock, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
-from common.process_setup import setup_process
+from common.process_setup import end_process_group, setup_process
 from common.rundir import (
     MetricsLog,
     is_launcher_rank_zero,
@@ -336,6 +336,7 @@ def main() -> None:
 
     if trainer.is_global_zero and module.summary is not None:
         write_summary(out_dir, module.summary)
+    end_process_group()  # on gloo, a process that exits the moment its work is done can abort a healthy run
 
 
 if __name__ == "__main__":

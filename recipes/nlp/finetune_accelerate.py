@@ -69,7 +69,7 @@ from common.errors import ConfigError, exit_on_user_error
 from common.lint import lint_at_start
 from common.metrics import Clock, barrier, grad_norm
 from common.model_folder import base_reference, check_base_unchanged, check_weight_files, write_base_reference
-from common.process_setup import setup_process
+from common.process_setup import end_process_group, setup_process
 from common.rundir import MetricsLog, is_launcher_rank_zero, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads
 from common.strategy import (
     AccelerateCheckpointIO,
@@ -258,7 +258,8 @@ def main() -> None:
         write_summary(out_dir, summary)
     log.close()
     barrier()  # the process group's: accelerator.wait_for_everyone returns at once under FSDP2 on a CPU
-    accelerator.end_training()
+    end_process_group()  # on gloo, a process that exits the moment its work is done can abort a healthy run
+    accelerator.end_training()  # the trackers; the process group is already gone
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ from common.describe import local_world
 from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce, grad_norm
 from common.parallel import check_mesh, check_replica_batch
-from common.process_setup import setup_process
+from common.process_setup import end_process_group, setup_process
 from common.resume import mark_universal, prepare_resume, with_universal_load
 from common.rundir import (
     MetricsLog,
@@ -285,6 +285,7 @@ def main() -> None:
     if trainer.is_global_zero and module.summary is not None:
         write_json_atomic(out_dir / "summary.json", module.summary.to_json())
         print(module.summary.headline(out_dir), flush=True)
+    end_process_group()  # on gloo, a process that exits the moment its work is done can abort a healthy run
 
 
 if __name__ == "__main__":

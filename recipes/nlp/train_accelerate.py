@@ -58,7 +58,7 @@ from common.config import config_to_dict, parse_recipe_args
 from common.errors import exit_on_user_error
 from common.metrics import Clock, all_reduce, barrier, grad_norm, main_process_first
 from common.parallel import check_mesh
-from common.process_setup import setup_process
+from common.process_setup import end_process_group, setup_process
 from common.resume import (
     mark_universal,
     param_groups_kept,
@@ -243,7 +243,8 @@ def main() -> None:
         write_json_atomic(out_dir / "summary.json", summary.to_json())
         print(summary.headline(out_dir), flush=True)
     barrier()  # the process group's: accelerator.wait_for_everyone returns at once under FSDP2 on a CPU
-    accelerator.end_training()
+    end_process_group()  # on gloo, a process that exits the moment its work is done can abort a healthy run
+    accelerator.end_training()  # the trackers; the process group is already gone
 
 
 if __name__ == "__main__":

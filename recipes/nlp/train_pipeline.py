@@ -81,7 +81,7 @@ from common.errors import ConfigError, exit_on_user_error
 from common.metrics import Clock, all_reduce, peak_memory_bytes
 from common.parallel import check_mesh
 from common.presets import is_fsdp2_name
-from common.process_setup import setup_process
+from common.process_setup import end_process_group, setup_process
 from common.resume import prepare_resume
 from common.rundir import MetricsLog, prepare_run_dir, refuse_existing_out_dir, set_cpu_threads, write_json_atomic
 from common.strategy import make_optimizer, torch_dtype
@@ -307,7 +307,7 @@ def main() -> None:
         print(summary.headline(out_dir), flush=True)
     log.close()
     dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()  # on gloo, a process that exits the moment its work is done can abort a healthy run
 
 
 if __name__ == "__main__":

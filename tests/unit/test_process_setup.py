@@ -6,12 +6,17 @@ thread is alive or not, DeepSpeed's ``Init._set_dtype`` is the patched one or no
 step freed or not, measured as minor page faults of a second "step" (200 MiB of 1 MiB tensors allocated and freed)
 after glibc's start-up thresholds were pinned, as tests/unit/test_host_memory.py does: with the thresholds left
 alone nearly every page faults again, with the memory kept few do.
+
+Its pair, ``end_process_group``, is checked where it is called: every script that joins a process group calls it
+(tests/distributed/test_process_end.py runs it on 4 gloo processes).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +144,35 @@ def test_only_the_launchers_rank_zero_prints_the_banner_once(monkeypatch, capsys
     process_setup.announce_once(setup)
     process_setup.announce_once(setup)
     assert capsys.readouterr().err.count("process set-up") == 1
+
+
+# What joins a process group in a script of this project: the process set-up, DeepSpeed's or torch's own call, or the
+# factory's adapters (Lightning's and Accelerate's strategies join it at start).
+JOINS_A_GROUP = re.compile(
+    r"setup_process\(|init_distributed\(|init_process_group\(|_trainer_kwargs\(|accelerator_kwargs\("
+)
+SCRIPT_FOLDERS = ("recipes/*/*.py", "bench/*.py", "common/tools/*.py")
+
+
+def scripts_that_join_a_process_group() -> list[Path]:
+    scripts = sorted(path for folder in SCRIPT_FOLDERS for path in REPO.glob(folder))
+    return [
+        path
+        for path in scripts
+        if '__name__ == "__main__"' in (text := path.read_text()) and JOINS_A_GROUP.search(text) is not None
+    ]
+
+
+def calls(path: Path, name: str) -> bool:
+    return any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+        for node in ast.walk(ast.parse(path.read_text()))
+    )
+
+
+def test_every_script_that_joins_a_process_group_ends_it_through_end_process_group():
+    scripts = scripts_that_join_a_process_group()
+    names = {str(path.relative_to(REPO)) for path in scripts}
+    # The search must find the scripts users and the suite launch most, or it proves nothing.
+    assert {"recipes/nlp/train.py", "recipes/cv/train_accelerate.py", "bench/_comm_worker.py"} <= names, names
+    assert [str(path.relative_to(REPO)) for path in scripts if not calls(path, "end_process_group")] == []
