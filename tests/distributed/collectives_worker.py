@@ -16,6 +16,7 @@ from accelerate import Accelerator
 
 from common.fsdp2 import accelerator_fsdp2_kwargs
 from common.metrics import barrier, main_process_first
+from common.process_setup import end_process_group
 
 HEAD_START_S = 1.0  # how long rank 0 holds the block: rank 1 would be in long before without a wait
 
@@ -37,6 +38,7 @@ def main() -> None:
     seen["barrier"] = (out / "run_dir").exists()
     seen["distributed_type"] = str(accelerator.distributed_type)
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
+    end_process_group()
 
 
 if __name__ == "__main__":

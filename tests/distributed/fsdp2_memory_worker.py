@@ -25,6 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.accounting import fsdp2_model_state_bytes
 from common.fsdp2 import apply_fully_shard
+from common.process_setup import end_process_group
 
 # Every dimension even, so that each parameter's first dimension splits over 2 ranks without padding.
 CONFIG = {
@@ -78,7 +79,7 @@ def main() -> None:
         }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(record))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

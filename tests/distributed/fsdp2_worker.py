@@ -46,6 +46,7 @@ from common.fsdp2 import (
     lightning_fsdp2_trainer_kwargs,
     load_checkpoint,
 )
+from common.process_setup import end_process_group
 
 BLOCK = "LlamaDecoderLayer"
 VOCAB, SEQ_LEN = 256, 32
@@ -355,10 +356,11 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         if args.mode == "checkpoint":
             run_checkpoint(args, rank, world)
-            dist.destroy_process_group()
+            end_process_group()
             return
         results = (run_lightning if args.frontend == "lightning" else run_torch)(args, rank, world)
     Path(args.out, f"{args.frontend}-rank{rank}.json").write_text(json.dumps(results))
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from torch import nn
 from worker_util import write_rank_record
 
 from common.async_checkpoint import AsyncCheckpointer, Checkpointer
+from common.process_setup import end_process_group
 from common.tools.zero_files import deepspeed_pickle_classes
 
 STAGES = (2, 3)
@@ -129,6 +130,7 @@ def main() -> None:
     write_rank_record(args.out, rank, record)
     for stage, facts in record.items():
         print(f"rank {rank} {stage} ({'cuda' if on_gpu else 'cpu'}): {json.dumps(facts)}", flush=True)
+    end_process_group()
 
 
 if __name__ == "__main__":
